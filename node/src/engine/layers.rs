@@ -1,0 +1,268 @@
+//! The building blocks every family shares: RMSNorm, rotary embeddings, grouped-query
+//! attention with an optional sliding window, the gated MLP and the decoder layer.
+//! Blocks are built from a `ModelSpec` and a `Weights` source; they hold no KV state.
+
+use candle_core::quantized::QMatMul;
+use candle_core::{DType, Device, Module, Tensor};
+
+use super::cache::LayerCache;
+use super::spec::{Activation, ModelSpec, Rope, RopeStyle};
+use super::weights::{Role, Weights};
+use super::Result;
+
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    pub fn load(w: &Weights, role: Role, layer: usize, spec: &ModelSpec, device: &Device) -> Result<Self> {
+        let mut weight = w.vector(role, layer, device)?;
+        if spec.norm_weight_offset != 0.0 {
+            weight = (weight + spec.norm_weight_offset as f64)?;
+        }
+        Ok(RmsNorm { weight, eps: spec.rms_eps as f32 })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)?)
+    }
+}
+
+/// A linear layer with an optional bias.
+#[derive(Debug, Clone)]
+pub struct Linear {
+    weight: QMatMul,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn load(w: &Weights, role: Role, bias: Option<Role>, layer: usize, device: &Device) -> Result<Self> {
+        let weight = w.matmul(role, layer, device)?;
+        let bias = bias.map(|b| w.vector(b, layer, device)).transpose()?;
+        Ok(Linear { weight, bias })
+    }
+
+    pub fn from_matmul(weight: QMatMul) -> Self {
+        Linear { weight, bias: None }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.weight.forward(x)?;
+        Ok(match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        })
+    }
+}
+
+/// Cosine and sine tables for the positions `[start, start + len)`, each `(len, head_dim / 2)`.
+pub fn rope_tables(rope: &Rope, head_dim: usize, start: usize, len: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+    let inv_freq = rope.inv_freq(head_dim);
+    let half = inv_freq.len();
+    let mut cos = Vec::with_capacity(len * half);
+    let mut sin = Vec::with_capacity(len * half);
+    for p in start..start + len {
+        for f in &inv_freq {
+            // transformers multiplies in f32, then takes cos/sin of the f32 angle.
+            let angle = p as f32 * f;
+            cos.push(angle.cos());
+            sin.push(angle.sin());
+        }
+    }
+    Ok((Tensor::from_vec(cos, (len, half), device)?, Tensor::from_vec(sin, (len, half), device)?))
+}
+
+#[derive(Debug, Clone)]
+pub struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    scale: f64,
+    softcap: Option<f64>,
+    rope_style: RopeStyle,
+    window: Option<usize>,
+}
+
+impl Attention {
+    pub fn load(w: &Weights, spec: &ModelSpec, layer: usize, device: &Device) -> Result<Self> {
+        let bias = |r| if spec.qkv_bias { Some(r) } else { None };
+        let norm = |r| -> Result<Option<RmsNorm>> {
+            if spec.qk_norm { Ok(Some(RmsNorm::load(w, r, layer, spec, device)?)) } else { Ok(None) }
+        };
+        Ok(Attention {
+            q: Linear::load(w, Role::Q, bias(Role::QBias), layer, device)?,
+            k: Linear::load(w, Role::K, bias(Role::KBias), layer, device)?,
+            v: Linear::load(w, Role::V, bias(Role::VBias), layer, device)?,
+            o: Linear::load(w, Role::O, None, layer, device)?,
+            q_norm: norm(Role::QNorm)?,
+            k_norm: norm(Role::KNorm)?,
+            num_heads: spec.num_heads,
+            num_kv_heads: spec.num_kv_heads,
+            head_dim: spec.head_dim,
+            scale: spec.attention_scale,
+            softcap: spec.attn_logit_softcap,
+            rope_style: spec.rope_style,
+            window: spec.window_for_layer(layer),
+        })
+    }
+
+    /// `x` is `(1, t, hidden)` for positions `[start, start + t)`; `cos`/`sin` cover those positions.
+    pub fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cache: &mut LayerCache) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let start = cache.len();
+        let heads = |y: Tensor, n: usize| -> Result<Tensor> { Ok(y.reshape((b, t, n, self.head_dim))?.transpose(1, 2)?.contiguous()?) };
+        let mut q = heads(self.q.forward(x)?, self.num_heads)?;
+        let mut k = heads(self.k.forward(x)?, self.num_kv_heads)?;
+        let v = heads(self.v.forward(x)?, self.num_kv_heads)?;
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let (q, k) = match self.rope_style {
+            RopeStyle::Halves => (candle_nn::rotary_emb::rope(&q, cos, sin)?, candle_nn::rotary_emb::rope(&k, cos, sin)?),
+            RopeStyle::Interleaved => (candle_nn::rotary_emb::rope_i(&q, cos, sin)?, candle_nn::rotary_emb::rope_i(&k, cos, sin)?),
+        };
+        let (k_all, v_all) = cache.append(&k, &v)?;
+        let total = start + t;
+        // Keys older than the window can never be seen again by these queries: skip them.
+        let first_key = match self.window {
+            Some(w) if start + 1 > w => start + 1 - w,
+            _ => 0,
+        };
+        let keys = total - first_key;
+        let k_all = k_all.narrow(2, first_key, keys)?.contiguous()?;
+        let v_all = v_all.narrow(2, first_key, keys)?.contiguous()?;
+        // Grouped-query attention without copying KV: the heads sharing a KV head are
+        // consecutive, so fold them into the query-length axis.
+        let rep = self.num_heads / self.num_kv_heads;
+        let q = q.reshape((b, self.num_kv_heads, rep * t, self.head_dim))?;
+        let mut scores = (q.matmul(&k_all.t()?)? * self.scale)?;
+        if let Some(cap) = self.softcap {
+            scores = ((scores / cap)?.tanh()? * cap)?;
+        }
+        if let Some(mask) = attention_mask(start, t, first_key, keys, self.window, x.device())? {
+            scores = scores
+                .reshape((b, self.num_kv_heads, rep, t, keys))?
+                .broadcast_add(&mask)?
+                .reshape((b, self.num_kv_heads, rep * t, keys))?;
+        }
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let out = probs.matmul(&v_all)?; // (b, kv_heads, rep * t, head_dim)
+        let out = out
+            .reshape((b, self.num_heads, t, self.head_dim))?
+            .transpose(1, 2)?
+            .reshape((b, t, self.num_heads * self.head_dim))?;
+        self.o.forward(&out)
+    }
+}
+
+/// Additive mask `(t, keys)` for queries at `[start, start + t)` over keys `[first_key, first_key + keys)`,
+/// or `None` when every query may see every key.
+fn attention_mask(start: usize, t: usize, first_key: usize, keys: usize, window: Option<usize>, device: &Device) -> Result<Option<Tensor>> {
+    let visible = |q: usize, k: usize| k <= q && window.is_none_or(|w| q - k < w);
+    let all_visible = (start..start + t).all(|q| visible(q, first_key) && visible(q, first_key + keys - 1));
+    if all_visible {
+        return Ok(None);
+    }
+    let mut mask = Vec::with_capacity(t * keys);
+    for q in start..start + t {
+        for k in first_key..first_key + keys {
+            mask.push(if visible(q, k) { 0f32 } else { f32::NEG_INFINITY });
+        }
+    }
+    Ok(Some(Tensor::from_vec(mask, (t, keys), device)?))
+}
+
+#[derive(Debug, Clone)]
+pub struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+    activation: Activation,
+}
+
+impl Mlp {
+    pub fn load(w: &Weights, spec: &ModelSpec, layer: usize, device: &Device) -> Result<Self> {
+        Ok(Mlp {
+            gate: Linear::load(w, Role::Gate, None, layer, device)?,
+            up: Linear::load(w, Role::Up, None, layer, device)?,
+            down: Linear::load(w, Role::Down, None, layer, device)?,
+            activation: spec.activation,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = self.gate.forward(x)?;
+        let gate = match self.activation {
+            Activation::Silu => candle_nn::ops::silu(&gate)?,
+            Activation::GeluTanh => gate.gelu()?,
+        };
+        self.down.forward(&(gate * self.up.forward(x)?)?)
+    }
+}
+
+/// One transformer block: pre-norm attention and MLP with residuals, plus Gemma's sandwich norms.
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    pub index: usize,
+    attn_norm: RmsNorm,
+    attn: Attention,
+    post_attn_norm: Option<RmsNorm>,
+    ffn_norm: RmsNorm,
+    mlp: Mlp,
+    post_ffn_norm: Option<RmsNorm>,
+    rope: Rope,
+    head_dim: usize,
+}
+
+impl DecoderLayer {
+    pub fn load(w: &Weights, spec: &ModelSpec, layer: usize, device: &Device) -> Result<Self> {
+        let sandwich = |r| -> Result<Option<RmsNorm>> {
+            if spec.sandwich_norms { Ok(Some(RmsNorm::load(w, r, layer, spec, device)?)) } else { Ok(None) }
+        };
+        Ok(DecoderLayer {
+            index: layer,
+            attn_norm: RmsNorm::load(w, Role::AttnNorm, layer, spec, device)?,
+            attn: Attention::load(w, spec, layer, device)?,
+            post_attn_norm: sandwich(Role::PostAttnNorm)?,
+            ffn_norm: RmsNorm::load(w, Role::FfnNorm, layer, spec, device)?,
+            mlp: Mlp::load(w, spec, layer, device)?,
+            post_ffn_norm: sandwich(Role::PostFfnNorm)?,
+            rope: spec.rope_for_layer(layer).clone(),
+            head_dim: spec.head_dim,
+        })
+    }
+
+    pub fn rope(&self) -> &Rope {
+        &self.rope
+    }
+
+    pub fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cache: &mut LayerCache) -> Result<Tensor> {
+        let mut h = self.attn.forward(&self.attn_norm.forward(x)?, cos, sin, cache)?;
+        if let Some(n) = &self.post_attn_norm {
+            h = n.forward(&h)?;
+        }
+        let x = (x + h)?;
+        let mut h = self.mlp.forward(&self.ffn_norm.forward(&x)?)?;
+        if let Some(n) = &self.post_ffn_norm {
+            h = n.forward(&h)?;
+        }
+        Ok((x + h)?)
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+}
+
+pub fn ensure_f32(x: Tensor) -> Result<Tensor> {
+    Ok(if x.dtype() == DType::F32 { x } else { x.to_dtype(DType::F32)? })
+}

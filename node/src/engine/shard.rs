@@ -1,0 +1,166 @@
+//! A shard: the contiguous layer range `[start, end)` of one model that one node runs.
+//! The first shard owns the token embedding, the last the final norm and LM head; a shard
+//! loads only its own tensors. It turns tokens or hidden states into hidden states or logits
+//! and keeps no per-sequence state of its own (that lives in `ShardCache`).
+
+use candle_core::{Device, Tensor, D};
+
+use super::cache::ShardCache;
+use super::layers::{rope_tables, DecoderLayer, Linear, RmsNorm};
+use super::spec::ModelSpec;
+use super::weights::{EmbeddingTable, Role, Weights};
+use super::{EngineError, Result};
+
+/// Layers `[start, end)` of a model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LayerRange {
+    pub start: usize,
+    pub end: usize,
+}
+
+impl LayerRange {
+    pub fn new(start: usize, end: usize) -> Self {
+        LayerRange { start, end }
+    }
+    pub fn full(num_layers: usize) -> Self {
+        LayerRange { start: 0, end: num_layers }
+    }
+    pub fn len(&self) -> usize {
+        self.end.saturating_sub(self.start)
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl std::fmt::Display for LayerRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "[{}, {})", self.start, self.end)
+    }
+}
+
+/// What a shard consumes: token ids (first shard) or the previous shard's hidden states.
+pub enum ShardInput<'a> {
+    Tokens(&'a [u32]),
+    Hidden(Tensor),
+}
+
+/// What a shard produces: hidden states `(1, t, hidden)` for the next shard, or logits.
+pub enum ShardOutput {
+    Hidden(Tensor),
+    /// `(t, vocab)` when every position was asked for, else `(1, vocab)` for the last one.
+    Logits(Tensor),
+}
+
+pub struct Shard {
+    pub spec: ModelSpec,
+    pub range: LayerRange,
+    embed: Option<EmbeddingTable>,
+    layers: Vec<DecoderLayer>,
+    final_norm: Option<RmsNorm>,
+    lm_head: Option<Linear>,
+    device: Device,
+}
+
+impl Shard {
+    pub fn load(weights: &Weights, spec: &ModelSpec, range: LayerRange, device: &Device) -> Result<Self> {
+        if range.is_empty() || range.end > spec.num_layers {
+            return Err(EngineError::Shard(format!("layer range {range} is not inside the model's {} layers", spec.num_layers)));
+        }
+        let is_first = range.start == 0;
+        let is_last = range.end == spec.num_layers;
+        let tied = spec.tie_embeddings || !weights.contains(Role::LmHead, 0);
+        let embed = if is_first || (is_last && tied) { Some(weights.embedding(device)?) } else { None };
+        if let Some(e) = &embed {
+            if e.rows() < spec.vocab_size {
+                return Err(EngineError::InvalidModel(format!("embedding has {} rows for a vocabulary of {}", e.rows(), spec.vocab_size)));
+            }
+        }
+        let layers = (range.start..range.end).map(|i| DecoderLayer::load(weights, spec, i, device)).collect::<Result<Vec<_>>>()?;
+        let (final_norm, lm_head) = if is_last {
+            let head = match (&embed, tied) {
+                (Some(e), true) => Linear::from_matmul(e.as_matmul()),
+                _ => Linear::load(weights, Role::LmHead, None, 0, device)?,
+            };
+            (Some(RmsNorm::load(weights, Role::FinalNorm, 0, spec, device)?), Some(head))
+        } else {
+            (None, None)
+        };
+        Ok(Shard { spec: spec.clone(), range, embed: if is_first { embed } else { None }, layers, final_norm, lm_head, device: device.clone() })
+    }
+
+    pub fn is_first(&self) -> bool {
+        self.range.start == 0
+    }
+
+    pub fn is_last(&self) -> bool {
+        self.range.end == self.spec.num_layers
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn new_cache(&self) -> ShardCache {
+        ShardCache::new(self.layers.len(), &self.device)
+    }
+
+    /// Runs this shard's layers for the next `t` positions of a sequence.
+    /// `all_logits` asks the last shard for logits at every position instead of only the last.
+    pub fn forward(&self, input: ShardInput<'_>, cache: &mut ShardCache, all_logits: bool) -> Result<ShardOutput> {
+        let mut x = match (input, &self.embed) {
+            (ShardInput::Tokens(ids), Some(embed)) => {
+                if ids.is_empty() {
+                    return Err(EngineError::InvalidRequest("no tokens to process".into()));
+                }
+                let x = embed.lookup(ids)?.unsqueeze(0)?;
+                match self.spec.embedding_scale {
+                    Some(s) => (x * s)?,
+                    None => x,
+                }
+            }
+            (ShardInput::Hidden(h), None) => {
+                let (b, t, d) = h.dims3().map_err(|_| EngineError::Shard("hidden states must be (1, t, hidden)".into()))?;
+                if b != 1 || t == 0 || d != self.spec.hidden_size {
+                    return Err(EngineError::Shard(format!("hidden states of shape ({b}, {t}, {d}) do not fit hidden size {}", self.spec.hidden_size)));
+                }
+                h.to_device(&self.device)?
+            }
+            (ShardInput::Tokens(_), None) => return Err(EngineError::Shard(format!("shard {} has no embedding: it takes hidden states", self.range))),
+            (ShardInput::Hidden(_), Some(_)) => return Err(EngineError::Shard("the first shard takes token ids".into())),
+        };
+        let t = x.dim(1)?;
+        let start = cache.position();
+        if start + t > self.spec.context_length {
+            return Err(EngineError::PromptTooLong { prompt_tokens: start + t, context: self.spec.context_length });
+        }
+        // Rope tables depend only on (rope, positions): compute once per distinct rope.
+        let mut tables: Vec<(&super::spec::Rope, (Tensor, Tensor))> = Vec::new();
+        for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
+            let idx = match tables.iter().position(|(r, _)| *r == layer.rope()) {
+                Some(i) => i,
+                None => {
+                    tables.push((layer.rope(), rope_tables(layer.rope(), layer.head_dim(), start, t, &self.device)?));
+                    tables.len() - 1
+                }
+            };
+            let (cos, sin) = &tables[idx].1;
+            x = layer.forward(&x, cos, sin, layer_cache)?;
+        }
+        match (&self.final_norm, &self.lm_head) {
+            (Some(norm), Some(head)) => {
+                let x = if all_logits { x } else { x.narrow(1, t - 1, 1)? };
+                let mut logits = head.forward(&norm.forward(&x)?)?.squeeze(0)?;
+                if let Some(cap) = self.spec.final_logit_softcap {
+                    logits = ((logits / cap)?.tanh()? * cap)?;
+                }
+                // Some checkpoints pad the vocabulary; only real ids are sampled.
+                if logits.dim(D::Minus1)? > self.spec.vocab_size {
+                    logits = logits.narrow(D::Minus1, 0, self.spec.vocab_size)?;
+                }
+                Ok(ShardOutput::Logits(logits.contiguous()?))
+            }
+            _ => Ok(ShardOutput::Hidden(x)),
+        }
+    }
+}

@@ -1,0 +1,19 @@
+//! shoal's integration tests: one binary, one module per area. Model-running tests need a
+//! release build (`scripts/test.sh` runs them so); every test is bounded in time by nextest.
+//! - fidelity: logits of each family vs Hugging Face transformers on committed fixtures
+//! - sharding: layer-range shards chained equal the whole model
+//! - gguf_quant: GGUF loading of every supported tensor type, written from fixtures
+//! - real_models: the registry-packaged GGUFs against llama.cpp's greedy output
+//! - bad_input: corrupt, missing and unsupported files; over-long prompts; via the CLI
+//! - gguf_tokenizer: tokenizers built from GGUF metadata vs the reference tokenizer.json
+//! - text: chat templates, stop tokens, sampling determinism
+
+mod util;
+
+mod bad_input;
+mod fidelity;
+mod gguf_quant;
+mod gguf_tokenizer;
+mod real_models;
+mod sharding;
+mod text;
