@@ -130,35 +130,51 @@ async function benchmark(model, modelId) {
         await sequence.clearHistory();
         await sequence.evaluateWithoutGeneratingNewTokens(ids.slice(0, 32));
 
-        const ppRuns = [];
-        for (let r = 0; r < 3; r++) {
-            await sequence.clearHistory();
+        // Each run records tok/s and the process's CPU utilisation (cpu time / wall time);
+        // with N threads on an otherwise idle machine that is close to N. Runs where it is
+        // much lower were starved by other processes; the best run is reported.
+        const measure = async (fn) => {
+            const c0 = process.cpuUsage();
             const t0 = process.hrtime.bigint();
-            await sequence.evaluateWithoutGeneratingNewTokens(ids);
-            ppRuns.push(256 / hrSeconds(t0));
+            const n = await fn();
+            const wall = hrSeconds(t0);
+            const c = process.cpuUsage(c0);
+            return { tps: n.count / n.seconds, util: (c.user + c.system) / 1e6 / wall };
+        };
+        const ppRuns = [];
+        for (let r = 0; r < 5; r++) {
+            ppRuns.push(await measure(async () => {
+                await sequence.clearHistory();
+                const t0 = process.hrtime.bigint();
+                await sequence.evaluateWithoutGeneratingNewTokens(ids);
+                return { count: 256, seconds: hrSeconds(t0) };
+            }));
         }
 
         // decode: short prompt, then time 128 decode steps (tokens 2..129; the first
         // yielded token includes prompt processing and is excluded).
         const tgRuns = [];
-        for (let r = 0; r < 2; r++) {
-            await sequence.clearHistory();
-            const prompt = llamaCppTokenize(model, "Once upon a time");
-            const gen = sequence.evaluate(prompt, { temperature: 0, yieldEogToken: true });
-            let n = 0;
-            let t0 = null;
-            for await (const _tok of gen) {
-                n++;
-                if (n === 1) t0 = process.hrtime.bigint();
-                if (n === 129) break;
-            }
-            await gen.return?.();
-            tgRuns.push(128 / hrSeconds(t0));
+        for (let r = 0; r < 3; r++) {
+            tgRuns.push(await measure(async () => {
+                await sequence.clearHistory();
+                const prompt = llamaCppTokenize(model, "Once upon a time");
+                const gen = sequence.evaluate(prompt, { temperature: 0, yieldEogToken: true });
+                let n = 0;
+                let t0 = null;
+                let seconds = 0;
+                for await (const _tok of gen) {
+                    n++;
+                    if (n === 1) t0 = process.hrtime.bigint();
+                    if (n === 129) { seconds = hrSeconds(t0); break; }
+                }
+                await gen.return?.();
+                return { count: 128, seconds };
+            }));
         }
-        const fmt = (xs) => xs.map((x) => x.toFixed(1)).join(", ");
-        const best = (xs) => Math.max(...xs);
-        const line = `${modelId}: threads=${threads} pp256 ${best(ppRuns).toFixed(1)} tok/s (runs: ${fmt(ppRuns)}), ` +
-            `tg128 ${best(tgRuns).toFixed(1)} tok/s (runs: ${fmt(tgRuns)})`;
+        const fmt = (xs) => xs.map((x) => `${x.tps.toFixed(1)}@cpu${x.util.toFixed(2)}`).join(", ");
+        const best = (xs) => Math.max(...xs.map((x) => x.tps));
+        const line = `${modelId}: threads=${threads} pp256 ${best(ppRuns).toFixed(1)} tok/s, ` +
+            `tg128 ${best(tgRuns).toFixed(1)} tok/s   [runs tok/s@cpu-utilisation: pp ${fmt(ppRuns)}; tg ${fmt(tgRuns)}]`;
         console.log(`[bench] ${line}`);
         return line;
     } finally {

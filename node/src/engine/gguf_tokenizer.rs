@@ -19,8 +19,10 @@ use tokenizers::decoders::fuse::Fuse;
 use tokenizers::decoders::sequence::Sequence as DecoderSequence;
 use tokenizers::decoders::strip::Strip;
 use tokenizers::decoders::DecoderWrapper;
-use tokenizers::models::bpe::{BpeBuilder, Merges, Vocab};
-use tokenizers::normalizers::{NormalizerWrapper, Prepend, Replace, Sequence as NormalizerSequence, NFC};
+use tokenizers::models::bpe::{BpeBuilder, Error as BpeError, Merges, Vocab, BPE};
+use tokenizers::normalizers::{
+    NormalizerWrapper, Prepend, Replace, Sequence as NormalizerSequence, NFC,
+};
 use tokenizers::pre_tokenizers::sequence::Sequence as PreTokenizerSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
@@ -41,7 +43,11 @@ pub enum GgufTokenizerError {
     UnsupportedPreTokenizer(String),
     /// A metadata value has the wrong type.
     #[error("gguf metadata `{key}` is {found}, expected {expected}")]
-    WrongType { key: String, expected: &'static str, found: String },
+    WrongType {
+        key: String,
+        expected: &'static str,
+        found: String,
+    },
     /// The metadata is well typed but inconsistent or out of bounds.
     #[error("malformed tokenizer metadata: {0}")]
     Malformed(String),
@@ -55,8 +61,16 @@ type Metadata = HashMap<String, Value>;
 
 const SUPPORTED_MODELS: &[&str] = &["gpt2", "llama"];
 const SUPPORTED_PRE: &[&str] = &[
-    "default", "gpt-2", "gpt2", "qwen2", "deepseek-r1-qwen", "llama3", "llama-v3", "llama-bpe",
-    "smaug-bpe", "dbrx",
+    "default",
+    "gpt-2",
+    "gpt2",
+    "qwen2",
+    "deepseek-r1-qwen",
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "smaug-bpe",
+    "dbrx",
 ];
 
 /// Largest vocabulary accepted; real models stay below 300k tokens.
@@ -75,7 +89,10 @@ const REGEX_LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L
 
 /// Build a tokenizer from GGUF metadata (`Content::metadata`).
 pub fn tokenizer_from_gguf(metadata: &Metadata) -> Result<Tokenizer> {
-    let model = as_str("tokenizer.ggml.model", required(metadata, "tokenizer.ggml.model")?)?;
+    let model = as_str(
+        "tokenizer.ggml.model",
+        required(metadata, "tokenizer.ggml.model")?,
+    )?;
     match model {
         "gpt2" => byte_level_bpe(metadata),
         "llama" => sentencepiece_bpe(metadata),
@@ -101,7 +118,11 @@ struct GgufVocab<'a> {
 }
 
 fn read_vocab(md: &Metadata) -> Result<GgufVocab<'_>> {
-    let tokens = string_array("tokenizer.ggml.tokens", required(md, "tokenizer.ggml.tokens")?, MAX_VOCAB)?;
+    let tokens = string_array(
+        "tokenizer.ggml.tokens",
+        required(md, "tokenizer.ggml.tokens")?,
+        MAX_VOCAB,
+    )?;
     if tokens.is_empty() {
         return Err(malformed("tokenizer.ggml.tokens is empty"));
     }
@@ -120,13 +141,27 @@ fn read_vocab(md: &Metadata) -> Result<GgufVocab<'_>> {
                     Some(4) => Ok(TokenKind::UserDefined),
                     Some(5) => Ok(TokenKind::Unused),
                     Some(6) => Ok(TokenKind::Byte),
-                    Some(t) => Err(malformed(format!("{key}[{i}] = {t} is not a token type (0..=6)"))),
+                    Some(t) => Err(malformed(format!(
+                        "{key}[{i}] = {t} is not a token type (0..=6)"
+                    ))),
                     None => Err(wrong_type(format!("{key}[{i}]"), "an integer", v)),
                 })
                 .collect::<Result<_>>()?
         }
     };
     Ok(GgufVocab { tokens, kinds })
+}
+
+/// How a byte-level family pre-tokenizes, as its Hugging Face `tokenizer.json` says.
+struct ByteLevelStyle {
+    /// Split regex ahead of the byte mapping; `None` is GPT-2's, built into `ByteLevel`.
+    regex: Option<&'static str>,
+    /// Whether text is NFC-normalized first (Qwen2).
+    nfc: bool,
+    /// `ByteLevel`'s `trim_offsets` (affects offsets only, never ids).
+    trim_offsets: bool,
+    /// Whether a word already in the vocabulary skips merging (Llama 3).
+    ignore_merges: bool,
 }
 
 /// Byte-level BPE (`tokenizer.ggml.model = gpt2`): GPT-2, Qwen2, Llama 3 and their kin.
@@ -138,74 +173,104 @@ fn byte_level_bpe(md: &Metadata) -> Result<Tokenizer> {
             "default"
         }
     };
-    // (regex, NFC normalizer, ignore_merges); regex None means GPT-2's, built into ByteLevel.
-    let (regex, nfc, ignore_merges) = match pre {
-        "default" | "gpt-2" | "gpt2" => (None, false, false),
-        "qwen2" | "deepseek-r1-qwen" => (Some(REGEX_QWEN2), true, false),
-        "llama3" | "llama-v3" | "llama-bpe" => (Some(REGEX_LLAMA3), false, true),
-        "smaug-bpe" | "dbrx" => (Some(REGEX_LLAMA3), false, false),
-        other => return Err(GgufTokenizerError::UnsupportedPreTokenizer(other.to_string())),
+    let style = match pre {
+        "default" | "gpt-2" | "gpt2" => ByteLevelStyle {
+            regex: None,
+            nfc: false,
+            trim_offsets: true,
+            ignore_merges: false,
+        },
+        "qwen2" | "deepseek-r1-qwen" => ByteLevelStyle {
+            regex: Some(REGEX_QWEN2),
+            nfc: true,
+            trim_offsets: false,
+            ignore_merges: false,
+        },
+        "llama3" | "llama-v3" | "llama-bpe" => ByteLevelStyle {
+            regex: Some(REGEX_LLAMA3),
+            nfc: false,
+            trim_offsets: true,
+            ignore_merges: true,
+        },
+        "smaug-bpe" | "dbrx" => ByteLevelStyle {
+            regex: Some(REGEX_LLAMA3),
+            nfc: false,
+            trim_offsets: true,
+            ignore_merges: false,
+        },
+        other => {
+            return Err(GgufTokenizerError::UnsupportedPreTokenizer(
+                other.to_string(),
+            ))
+        }
     };
 
     let GgufVocab { tokens, kinds } = read_vocab(md)?;
     let vocab = vocab_map(tokens.iter().copied());
-    let merges = byte_level_merges(md, &vocab)?;
-    let bpe = BpeBuilder::new()
-        .vocab_and_merges(vocab, merges)
-        .ignore_merges(ignore_merges)
-        .build()
-        .map_err(assemble)?;
+    let merges = byte_level_merges(md)?;
+    let bpe = build_bpe(
+        BpeBuilder::new()
+            .vocab_and_merges(vocab, merges)
+            .ignore_merges(style.ignore_merges),
+    )?;
 
     let mut tokenizer = Tokenizer::new(bpe);
-    if nfc {
+    if style.nfc {
         tokenizer.with_normalizer(Some(NFC)).map_err(assemble)?;
     }
-    let pre_tokenizer: PreTokenizerWrapper = match regex {
-        None => ByteLevel::new(false, true, true).into(),
+    let pre_tokenizer: PreTokenizerWrapper = match style.regex {
+        None => ByteLevel::new(false, style.trim_offsets, true).into(),
         Some(regex) => {
-            let split = Split::new(SplitPattern::Regex(regex.to_string()), SplitDelimiterBehavior::Isolated, false)
-                .map_err(assemble)?;
-            // Qwen2's tokenizer.json keeps offsets untrimmed, Llama 3's trims them.
-            PreTokenizerSequence::new(vec![split.into(), ByteLevel::new(false, !nfc, false).into()]).into()
+            let split = Split::new(
+                SplitPattern::Regex(regex.to_string()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(assemble)?;
+            let byte_level = ByteLevel::new(false, style.trim_offsets, false);
+            PreTokenizerSequence::new(vec![split.into(), byte_level.into()]).into()
         }
     };
     tokenizer.with_pre_tokenizer(Some(pre_tokenizer));
     tokenizer.with_decoder(Some(ByteLevel::new(false, false, false)));
-    add_added_tokens(&mut tokenizer, tokens.iter().map(|t| Cow::Borrowed(*t)), &kinds)?;
+    add_added_tokens(
+        &mut tokenizer,
+        tokens.iter().map(|t| Cow::Borrowed(*t)),
+        &kinds,
+    )?;
     Ok(tokenizer)
 }
 
-/// Parses `tokenizer.ggml.merges` ("left right" per entry), checking every part is in the vocab.
-fn byte_level_merges(md: &Metadata, vocab: &Vocab) -> Result<Merges> {
+/// Parses `tokenizer.ggml.merges`, one "left right" string per merge.
+fn byte_level_merges(md: &Metadata) -> Result<Merges> {
     let key = "tokenizer.ggml.merges";
-    let entries = string_array(key, required(md, key)?, MAX_MERGES)?;
-    let mut merged = String::new();
-    entries
+    string_array(key, required(md, key)?, MAX_MERGES)?
         .into_iter()
         .enumerate()
-        .map(|(i, entry)| {
-            let (left, right) = entry
-                .split_once(' ')
-                .ok_or_else(|| malformed(format!("{key}[{i}] `{entry}` is not two tokens separated by a space")))?;
-            merged.clear();
-            merged.push_str(left);
-            merged.push_str(right);
-            for part in [left, right, merged.as_str()] {
-                if !vocab.contains_key(part) {
-                    return Err(malformed(format!("{key}[{i}] `{entry}` uses `{part}`, which is not in the vocabulary")));
-                }
-            }
-            Ok((left.to_string(), right.to_string()))
+        .map(|(i, entry)| match entry.split_once(' ') {
+            Some((left, right)) => Ok((left.to_string(), right.to_string())),
+            None => Err(malformed(format!(
+                "{key}[{i}] `{entry}` is not two tokens separated by a space"
+            ))),
         })
         .collect()
 }
 
+/// Builds the BPE model; a merge naming a token outside the vocabulary is malformed metadata.
+fn build_bpe(builder: BpeBuilder) -> Result<BPE> {
+    builder
+        .build()
+        .map_err(|e| match e.downcast_ref::<BpeError>() {
+            Some(BpeError::MergeTokenOutOfVocabulary(token)) => malformed(format!(
+                "tokenizer.ggml.merges uses `{token}`, which is not in the vocabulary"
+            )),
+            _ => assemble(e),
+        })
+}
+
 /// SentencePiece BPE (`tokenizer.ggml.model = llama`): Llama 2, Mistral, Gemma and their kin.
 fn sentencepiece_bpe(md: &Metadata) -> Result<Tokenizer> {
-    let t0 = std::time::Instant::now();
-    macro_rules! ph { ($n:expr) => { eprintln!("PHASE {} {:?}", $n, t0.elapsed()); } }
     let GgufVocab { tokens, kinds } = read_vocab(md)?;
-    ph!("read_vocab");
     let scores = match md.get("tokenizer.ggml.scores") {
         None => vec![0.0; tokens.len()],
         Some(v) => {
@@ -225,10 +290,20 @@ fn sentencepiece_bpe(md: &Metadata) -> Result<Tokenizer> {
     let add_space_prefix = match md.get("tokenizer.ggml.add_space_prefix") {
         None => true,
         Some(Value::Bool(b)) => *b,
-        Some(other) => return Err(wrong_type("tokenizer.ggml.add_space_prefix", "a bool", other)),
+        Some(other) => {
+            return Err(wrong_type(
+                "tokenizer.ggml.add_space_prefix",
+                "a bool",
+                other,
+            ))
+        }
     };
     let unk = match md.get("tokenizer.ggml.unknown_token_id") {
-        Some(v) => Some(token_id("tokenizer.ggml.unknown_token_id", v, tokens.len())?),
+        Some(v) => Some(token_id(
+            "tokenizer.ggml.unknown_token_id",
+            v,
+            tokens.len(),
+        )?),
         None => kinds.iter().position(|k| *k == TokenKind::Unknown),
     };
 
@@ -241,26 +316,31 @@ fn sentencepiece_bpe(md: &Metadata) -> Result<Tokenizer> {
             _ => Cow::Borrowed(*t),
         })
         .collect();
-    ph!("scores+pieces");
     let vocab = vocab_map(pieces.iter().map(|p| p.as_ref()));
-    ph!("vocab_map");
     let merges = sentencepiece_merges(&pieces, &scores, &kinds, &vocab);
-    ph!("merges");
 
-    let mut builder = BpeBuilder::new().vocab_and_merges(vocab, merges).byte_fallback(true).fuse_unk(true);
+    let mut builder = BpeBuilder::new()
+        .vocab_and_merges(vocab, merges)
+        .byte_fallback(true)
+        .fuse_unk(true);
     if let Some(unk) = unk {
         builder = builder.unk_token(pieces[unk].to_string());
     }
-    let mut tokenizer = Tokenizer::new(builder.build().map_err(assemble)?);
-    ph!("bpe build");
+    let mut tokenizer = Tokenizer::new(build_bpe(builder)?);
 
     let replace_space = Replace::new(" ", SPM_SPACE).map_err(assemble)?;
     let normalizer: NormalizerWrapper = if add_space_prefix {
-        NormalizerSequence::new(vec![Prepend::new(SPM_SPACE.to_string()).into(), replace_space.into()]).into()
+        NormalizerSequence::new(vec![
+            Prepend::new(SPM_SPACE.to_string()).into(),
+            replace_space.into(),
+        ])
+        .into()
     } else {
         replace_space.into()
     };
-    tokenizer.with_normalizer(Some(normalizer)).map_err(assemble)?;
+    tokenizer
+        .with_normalizer(Some(normalizer))
+        .map_err(assemble)?;
     let mut decoders: Vec<DecoderWrapper> = vec![
         Replace::new(SPM_SPACE, " ").map_err(assemble)?.into(),
         ByteFallback::new().into(),
@@ -270,9 +350,7 @@ fn sentencepiece_bpe(md: &Metadata) -> Result<Tokenizer> {
         decoders.push(Strip::new(' ', 1, 0).into());
     }
     tokenizer.with_decoder(Some(DecoderSequence::new(decoders)));
-    ph!("norm/dec");
     add_added_tokens(&mut tokenizer, pieces.into_iter(), &kinds)?;
-    ph!("added");
     Ok(tokenizer)
 }
 
@@ -283,7 +361,12 @@ fn sentencepiece_bpe(md: &Metadata) -> Result<Tokenizer> {
 /// SentencePiece scores control and user-defined pieces 0; GGUF converters overwrite those
 /// scores with -1000, so they are read as 0 here.
 /// Costs one hash lookup per split point, i.e. O(total characters in the vocabulary).
-fn sentencepiece_merges(pieces: &[Cow<'_, str>], scores: &[f32], kinds: &[TokenKind], vocab: &Vocab) -> Merges {
+fn sentencepiece_merges(
+    pieces: &[Cow<'_, str>],
+    scores: &[f32],
+    kinds: &[TokenKind],
+    vocab: &Vocab,
+) -> Merges {
     struct Candidate {
         score: f32,
         left_chars: u32,
@@ -295,7 +378,7 @@ fn sentencepiece_merges(pieces: &[Cow<'_, str>], scores: &[f32], kinds: &[TokenK
     let mut candidates = Vec::new();
     for (id, piece) in pieces.iter().enumerate() {
         let id = id as u32; // fits: the vocabulary is capped at MAX_VOCAB
-        // Of duplicate pieces only the one the vocabulary maps to takes part.
+                            // Of duplicate pieces only the one the vocabulary maps to takes part.
         if vocab.get(piece.as_ref()) != Some(&id) {
             continue;
         }
@@ -308,21 +391,23 @@ fn sentencepiece_merges(pieces: &[Cow<'_, str>], scores: &[f32], kinds: &[TokenK
         let chars = piece.chars().count() as u32;
         for (left_chars, (at, _)) in piece.char_indices().enumerate().skip(1) {
             let (left, right) = piece.split_at(at);
-            if let (Some(&l), Some(&r)) = (vocab.get(left), vocab.get(right)) {
-                let left_chars = left_chars as u32;
-                candidates.push(Candidate {
-                    score,
-                    left_chars,
-                    right_chars: chars - left_chars,
-                    piece: id,
-                    left: l,
-                    right: r,
-                });
-            }
+            let Some(&left) = vocab.get(left) else {
+                continue;
+            };
+            let Some(&right) = vocab.get(right) else {
+                continue;
+            };
+            let left_chars = left_chars as u32;
+            candidates.push(Candidate {
+                score,
+                left_chars,
+                right_chars: chars - left_chars,
+                piece: id,
+                left,
+                right,
+            });
         }
     }
-    eprintln!("candidates {}", candidates.len());
-    let ts = std::time::Instant::now();
     candidates.sort_unstable_by(|a, b| {
         b.score
             .total_cmp(&a.score)
@@ -332,10 +417,14 @@ fn sentencepiece_merges(pieces: &[Cow<'_, str>], scores: &[f32], kinds: &[TokenK
             .then(a.left.cmp(&b.left))
             .then(a.right.cmp(&b.right))
     });
-    eprintln!("sort {:?}", ts.elapsed());
     candidates
         .into_iter()
-        .map(|c| (pieces[c.left as usize].to_string(), pieces[c.right as usize].to_string()))
+        .map(|c| {
+            (
+                pieces[c.left as usize].to_string(),
+                pieces[c.right as usize].to_string(),
+            )
+        })
         .collect()
 }
 
@@ -350,7 +439,10 @@ fn vocab_map<'a>(tokens: impl ExactSizeIterator<Item = &'a str>) -> Vocab {
         }
     }
     if duplicates > 0 {
-        tracing::warn!(duplicates, "gguf vocabulary repeats token strings; the last id of each wins");
+        tracing::warn!(
+            duplicates,
+            "gguf vocabulary repeats token strings; the last id of each wins"
+        );
     }
     vocab
 }
@@ -398,7 +490,10 @@ fn as_str<'a>(key: &str, v: &'a Value) -> Result<&'a str> {
 
 fn array<'a>(key: &str, v: &'a Value, max: usize) -> Result<&'a [Value]> {
     match v {
-        Value::Array(a) if a.len() > max => Err(malformed(format!("{key} has {} entries, more than {max}", a.len()))),
+        Value::Array(a) if a.len() > max => Err(malformed(format!(
+            "{key} has {} entries, more than {max}",
+            a.len()
+        ))),
         Value::Array(a) => Ok(a),
         other => Err(wrong_type(key, "an array", other)),
     }
@@ -409,9 +504,10 @@ fn string_array<'a>(key: &str, v: &'a Value, max: usize) -> Result<Vec<&'a str>>
         .iter()
         .enumerate()
         .map(|(i, v)| match v {
-            Value::String(s) if s.len() > MAX_TOKEN_BYTES => {
-                Err(malformed(format!("{key}[{i}] is {} bytes long, more than {MAX_TOKEN_BYTES}", s.len())))
-            }
+            Value::String(s) if s.len() > MAX_TOKEN_BYTES => Err(malformed(format!(
+                "{key}[{i}] is {} bytes long, more than {MAX_TOKEN_BYTES}",
+                s.len()
+            ))),
             Value::String(s) => Ok(s.as_str()),
             other => Err(wrong_type(format!("{key}[{i}]"), "a string", other)),
         })
@@ -438,19 +534,29 @@ fn token_id(key: &str, v: &Value, vocab_len: usize) -> Result<usize> {
     usize::try_from(id)
         .ok()
         .filter(|id| *id < vocab_len)
-        .ok_or_else(|| malformed(format!("{key} = {id} is outside the vocabulary of {vocab_len} tokens")))
+        .ok_or_else(|| {
+            malformed(format!(
+                "{key} = {id} is outside the vocabulary of {vocab_len} tokens"
+            ))
+        })
 }
 
 fn check_len(key: &str, len: usize, vocab_len: usize) -> Result<()> {
     if len == vocab_len {
         Ok(())
     } else {
-        Err(malformed(format!("{key} has {len} entries but tokenizer.ggml.tokens has {vocab_len}")))
+        Err(malformed(format!(
+            "{key} has {len} entries but tokenizer.ggml.tokens has {vocab_len}"
+        )))
     }
 }
 
 fn wrong_type(key: impl Into<String>, expected: &'static str, found: &Value) -> GgufTokenizerError {
-    GgufTokenizerError::WrongType { key: key.into(), expected, found: format!("{:?}", found.value_type()) }
+    GgufTokenizerError::WrongType {
+        key: key.into(),
+        expected,
+        found: format!("{:?}", found.value_type()),
+    }
 }
 
 fn malformed(msg: impl Into<String>) -> GgufTokenizerError {
