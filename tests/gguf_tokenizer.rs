@@ -126,8 +126,15 @@ fn compare_with_reference(id: &str) -> Result<()> {
         peak / 1024
     );
 
+    let start = Instant::now();
     let reference = Tokenizer::from_file(dir.join("tokenizer.json"))
         .map_err(|e| anyhow!("reference tokenizer.json: {e}"))?;
+    let (rss_reference, _) = memory_kib();
+    eprintln!(
+        "{id}: reference tokenizer.json loaded in {:?}; rss -> {} MiB",
+        start.elapsed(),
+        rss_reference / 1024
+    );
 
     let mut failures = Vec::new();
     for text in TEXTS {

@@ -29,8 +29,15 @@ struct RunArgs {
     /// A GGUF file or a Hugging Face model directory.
     #[arg(long)]
     model: PathBuf,
+    /// The prompt text.
+    #[arg(long, required_unless_present = "prompt_file", conflicts_with = "prompt_file")]
+    prompt: Option<String>,
+    /// Read the prompt from this file (`-` for standard input).
     #[arg(long)]
-    prompt: String,
+    prompt_file: Option<PathBuf>,
+    /// Cap the context window (tokens) below the model's own.
+    #[arg(long)]
+    context: Option<usize>,
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
     /// 0 means greedy.
@@ -74,7 +81,14 @@ fn main() -> std::process::ExitCode {
 
 fn run(args: RunArgs) -> anyhow::Result<()> {
     let t0 = std::time::Instant::now();
-    let model = LoadedModel::load(&args.model, &LoadOptions::default()).with_context(|| format!("loading {}", args.model.display()))?;
+    let prompt_text = match (&args.prompt, &args.prompt_file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) if f.as_os_str() == "-" => std::io::read_to_string(std::io::stdin()).context("reading the prompt from stdin")?,
+        (None, Some(f)) => std::fs::read_to_string(f).with_context(|| format!("reading the prompt from {}", f.display()))?,
+        (None, None) => anyhow::bail!("give --prompt or --prompt-file"),
+    };
+    let opts = LoadOptions { context_limit: args.context, ..LoadOptions::default() };
+    let model = LoadedModel::load(&args.model, &opts).with_context(|| format!("loading {}", args.model.display()))?;
     eprintln!(
         "loaded {} ({} {}, {} layers) in {:.2}s",
         model.name,
@@ -83,7 +97,7 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         model.spec.num_layers,
         t0.elapsed().as_secs_f64()
     );
-    let prompt = if args.chat { Prompt::Chat(vec![ChatMessage { role: "user".into(), content: args.prompt }]) } else { Prompt::Text(args.prompt) };
+    let prompt = if args.chat { Prompt::Chat(vec![ChatMessage { role: "user".into(), content: prompt_text }]) } else { Prompt::Text(prompt_text) };
     let request = GenerationRequest {
         prompt,
         sampling: SamplingParams {

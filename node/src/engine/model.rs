@@ -110,11 +110,13 @@ pub struct LoadOptions {
     /// Layers to load; all of them when `None`.
     pub range: Option<LayerRange>,
     pub device: Device,
+    /// Caps the context window below the model's own (memory for the KV cache grows with it).
+    pub context_limit: Option<usize>,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { range: None, device: Device::Cpu }
+        LoadOptions { range: None, device: Device::Cpu, context_limit: None }
     }
 }
 
@@ -130,7 +132,13 @@ pub struct LoadedModel {
 
 impl LoadedModel {
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Self> {
-        let source = ModelSource::open(path)?;
+        let mut source = ModelSource::open(path)?;
+        if let Some(limit) = opts.context_limit {
+            if limit == 0 {
+                return Err(EngineError::InvalidRequest("the context limit must be at least 1 token".into()));
+            }
+            source.spec.context_length = source.spec.context_length.min(limit);
+        }
         let range = opts.range.unwrap_or(LayerRange::full(source.spec.num_layers));
         let text = source.load_text()?;
         let shard = source.load_shard(range, &opts.device)?;
