@@ -114,7 +114,7 @@ function hrSeconds(t0) {
 
 async function benchmark(model, modelId) {
     const context = await model.createContext({
-        contextSize: 1024, batchSize: 512, threads, sequences: 1
+        contextSize: 1024, batchSize: 512, threads: { ideal: threads, min: threads }, sequences: 1
     });
     const sequence = context.getSequence();
     try {
@@ -171,6 +171,7 @@ async function benchmark(model, modelId) {
                 return { count: 128, seconds };
             }));
         }
+        log(`${modelId}: bench context threads: current=${context.currentThreads} ideal=${context.idealThreads}`);
         const fmt = (xs) => xs.map((x) => `${x.tps.toFixed(1)}@cpu${x.util.toFixed(2)}`).join(", ");
         const best = (xs) => Math.max(...xs.map((x) => x.tps));
         const line = `${modelId}: threads=${threads} pp256 ${best(ppRuns).toFixed(1)} tok/s, ` +
@@ -196,7 +197,9 @@ for (const { id: modelId, file } of models) {
         await model.dispose();
         continue;
     }
-    const context = await model.createContext({ contextSize: 512, batchSize: 512, threads, sequences: 1 });
+    const context = await model.createContext({
+        contextSize: 512, batchSize: 512, threads: { ideal: threads, min: threads }, sequences: 1
+    });
     const sequence = context.getSequence();
 
     const cases = RAW_PROMPTS.map((p) => ({ prompt: p, chat: false, rendered: p }));

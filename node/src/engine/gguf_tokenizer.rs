@@ -87,8 +87,10 @@ const SPM_SPACE: &str = "\u{2581}";
 const REGEX_QWEN2: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const REGEX_LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
-/// Build a tokenizer from GGUF metadata (`Content::metadata`).
-pub fn tokenizer_from_gguf(metadata: &Metadata) -> Result<Tokenizer> {
+/// Build a tokenizer from GGUF metadata (`gguf_file::Content::metadata`).
+pub fn tokenizer_from_gguf(
+    metadata: &HashMap<String, Value>,
+) -> std::result::Result<Tokenizer, GgufTokenizerError> {
     let model = as_str(
         "tokenizer.ggml.model",
         required(metadata, "tokenizer.ggml.model")?,
