@@ -1,8 +1,8 @@
 //! The registry-packaged real models (Gemma 3 270M and Qwen2.5-Coder-1.5B, Q4_K_M GGUF):
 //! our tokenization and chat rendering equal llama.cpp's; fed llama.cpp's 16 greedy tokens,
 //! our greedy choice at every step is llama.cpp's, except at a near-tie that quantized
-//! kernels may break either way (our top two within `NEAR_TIE` logits, llama.cpp's token
-//! being one of them; at most `MAX_NEAR_TIES` per model); free-running greedy output agrees
+//! kernels may break either way (llama.cpp's token within `NEAR_TIE` logits of our top;
+//! at most `MAX_NEAR_TIES` per model); free-running greedy output agrees
 //! on the first 8 tokens wherever no near-tie occurs; `shoal run` prints coherent text.
 
 use std::time::Duration;
