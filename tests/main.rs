@@ -7,6 +7,7 @@
 //! - bad_input: corrupt, missing and unsupported files; over-long prompts; via the CLI
 //! - gguf_tokenizer: tokenizers built from GGUF metadata vs the reference tokenizer.json
 //! - text: chat templates, stop tokens, sampling determinism
+//! - simulator: seeded churn over the cluster state machines, invariants every step
 
 mod util;
 
@@ -16,4 +17,5 @@ mod gguf_quant;
 mod gguf_tokenizer;
 mod real_models;
 mod sharding;
+mod simulator;
 mod text;

@@ -2,4 +2,5 @@
 //! This crate holds every layer of a node (see ARCHITECTURE.md); the binary in `main.rs`
 //! only parses the command line and wires the layers together.
 
+pub mod cluster;
 pub mod engine;

@@ -1,0 +1,242 @@
+//! Placement: turns a model's footprint and the members' offered memory and measured speed
+//! into stages. A single node when one can hold the model (the fastest such node), otherwise a
+//! memory-weighted pipeline: layers in proportion to offered memory, corrected by memory
+//! bandwidth, largest-remainder rounding, at least one layer per stage, never more than a
+//! node offers. Pure: no I/O, no clocks; the same inputs give the same plan on every node.
+
+use serde::{Deserialize, Serialize};
+
+use super::NodeId;
+
+/// What a model needs, known before any weights are read (from the catalogue or the file).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelFootprint {
+    pub model: String,
+    pub layers: usize,
+    pub bytes_per_layer: u64,
+    /// Embedding table (first stage), final norm and LM head (last stage), in bytes.
+    pub embedding_bytes: u64,
+    pub head_bytes: u64,
+}
+
+impl ModelFootprint {
+    pub fn total_bytes(&self) -> u64 {
+        self.bytes_per_layer * self.layers as u64 + self.embedding_bytes + self.head_bytes
+    }
+}
+
+/// What a member offers, from its advert.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Capacity {
+    pub node: NodeId,
+    pub memory_offered: u64,
+    /// Measured memory read bandwidth in bytes/s (decode speed is bound by it).
+    pub mem_bandwidth: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Strategy {
+    Single,
+    Pipeline,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stage {
+    pub node: NodeId,
+    pub start: usize,
+    pub end: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    pub strategy: Strategy,
+    pub stages: Vec<Stage>,
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PlacementError {
+    /// No members to place on.
+    #[error("no nodes are available to hold {model}")]
+    NoMembers { model: String },
+    /// The members together offer too little memory.
+    #[error("{model} needs {needed} bytes but the swarm offers {offered} bytes; add a node or raise --memory-limit")]
+    DoesNotFit { model: String, needed: u64, offered: u64 },
+    /// The footprint is not placeable (zero layers).
+    #[error("{model} has no layers to place")]
+    Empty { model: String },
+}
+
+/// Places `model` on `members` (order does not matter; the result is deterministic).
+pub fn place(model: &ModelFootprint, members: &[Capacity]) -> Result<Placement, PlacementError> {
+    if model.layers == 0 {
+        return Err(PlacementError::Empty { model: model.model.clone() });
+    }
+    if members.is_empty() {
+        return Err(PlacementError::NoMembers { model: model.model.clone() });
+    }
+    let mut nodes: Vec<&Capacity> = members.iter().collect();
+    nodes.sort_by(|a, b| a.node.cmp(&b.node));
+
+    // Single node: the fastest member that can hold everything.
+    if let Some(best) = nodes
+        .iter()
+        .filter(|c| c.memory_offered >= model.total_bytes())
+        .max_by(|a, b| a.mem_bandwidth.total_cmp(&b.mem_bandwidth).then(b.node.cmp(&a.node)))
+    {
+        return Ok(Placement { strategy: Strategy::Single, stages: vec![Stage { node: best.node.clone(), start: 0, end: model.layers }] });
+    }
+
+    let offered: u64 = nodes.iter().map(|c| c.memory_offered).sum();
+    let not_fit = || PlacementError::DoesNotFit { model: model.model.clone(), needed: model.total_bytes(), offered };
+    if offered < model.total_bytes() {
+        return Err(not_fit());
+    }
+    // Stage order: the first stage also holds the embedding, the last the head; give those
+    // roles to the nodes with the most memory so that the extra bytes land where there is room.
+    let mut by_memory = nodes.clone();
+    by_memory.sort_by(|a, b| b.memory_offered.cmp(&a.memory_offered).then(a.node.cmp(&b.node)));
+    let first = by_memory[0].node.clone();
+    let last = by_memory.get(1).map(|c| c.node.clone()).unwrap_or_else(|| first.clone());
+    let mut order: Vec<&Capacity> = Vec::with_capacity(nodes.len());
+    order.extend(nodes.iter().copied().filter(|c| c.node == first));
+    order.extend(nodes.iter().copied().filter(|c| c.node != first && c.node != last));
+    order.extend(nodes.iter().copied().filter(|c| c.node == last && c.node != first));
+
+    // Layers each node can hold after its fixed share.
+    let capacity: Vec<usize> = order
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let fixed = if i == 0 { model.embedding_bytes } else { 0 } + if i + 1 == order.len() { model.head_bytes } else { 0 };
+            (c.memory_offered.saturating_sub(fixed) / model.bytes_per_layer.max(1)) as usize
+        })
+        .collect();
+    if capacity.iter().sum::<usize>() < model.layers {
+        return Err(not_fit());
+    }
+    // Weight: offered memory, corrected by bandwidth relative to the mean (square root damps noise).
+    let mean_bw = order.iter().map(|c| c.mem_bandwidth.max(1.0)).sum::<f64>() / order.len() as f64;
+    let weights: Vec<f64> = order.iter().map(|c| c.memory_offered as f64 * (c.mem_bandwidth.max(1.0) / mean_bw).sqrt()).collect();
+    let layers = largest_remainder(model.layers, &weights, &capacity);
+
+    let mut stages = Vec::new();
+    let mut start = 0;
+    for (c, n) in order.iter().zip(layers) {
+        if n > 0 {
+            stages.push(Stage { node: c.node.clone(), start, end: start + n });
+            start += n;
+        }
+    }
+    // The first and last stage own extra tensors: re-check them after dropping empty nodes.
+    let fits = stages.iter().enumerate().all(|(i, s)| {
+        let cap = order.iter().find(|c| c.node == s.node).map(|c| c.memory_offered).unwrap_or(0);
+        let fixed = if i == 0 { model.embedding_bytes } else { 0 } + if i + 1 == stages.len() { model.head_bytes } else { 0 };
+        (s.end - s.start) as u64 * model.bytes_per_layer + fixed <= cap
+    });
+    if !fits {
+        return Err(not_fit());
+    }
+    Ok(Placement { strategy: if stages.len() == 1 { Strategy::Single } else { Strategy::Pipeline }, stages })
+}
+
+/// Splits `total` into integer shares proportional to `weights`, each at most `cap[i]`,
+/// by largest remainder; overflow from capped shares goes to the others the same way.
+fn largest_remainder(total: usize, weights: &[f64], cap: &[usize]) -> Vec<usize> {
+    let mut shares = vec![0usize; weights.len()];
+    let mut open: Vec<usize> = (0..weights.len()).filter(|&i| cap[i] > 0).collect();
+    let mut left = total;
+    while left > 0 && !open.is_empty() {
+        let sum: f64 = open.iter().map(|&i| weights[i].max(1e-9)).sum();
+        let ideal: Vec<(usize, f64)> = open.iter().map(|&i| (i, left as f64 * weights[i].max(1e-9) / sum)).collect();
+        let mut given = 0;
+        for &(i, x) in &ideal {
+            let n = (x.floor() as usize).min(cap[i] - shares[i]);
+            shares[i] += n;
+            given += n;
+        }
+        let mut rest: Vec<(usize, f64)> = ideal.iter().map(|&(i, x)| (i, x - x.floor())).collect();
+        rest.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        for (i, _) in rest {
+            if given == left {
+                break;
+            }
+            if shares[i] < cap[i] {
+                shares[i] += 1;
+                given += 1;
+            }
+        }
+        left -= given;
+        open.retain(|&i| shares[i] < cap[i]);
+        if given == 0 {
+            break;
+        }
+    }
+    shares
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cap(node: &str, gb: u64, bw: f64) -> Capacity {
+        Capacity { node: node.into(), memory_offered: gb << 30, mem_bandwidth: bw }
+    }
+
+    fn model(layers: usize, gb_per_layer_x10: u64) -> ModelFootprint {
+        ModelFootprint { model: "m".into(), layers, bytes_per_layer: (gb_per_layer_x10 << 30) / 10, embedding_bytes: 1 << 29, head_bytes: 1 << 29 }
+    }
+
+    #[test]
+    fn single_node_when_one_fits_and_it_is_the_fastest() {
+        let m = model(10, 1); // 1 GiB of layers + 1 GiB extra
+        let p = place(&m, &[cap("a", 4, 10.0), cap("b", 4, 20.0), cap("c", 1, 50.0)]).unwrap();
+        assert_eq!(p.strategy, Strategy::Single);
+        assert_eq!(p.stages, vec![Stage { node: "b".into(), start: 0, end: 10 }]);
+    }
+
+    #[test]
+    fn pipeline_in_proportion_to_memory_with_every_layer_once() {
+        let m = model(28, 5); // 14 GiB of layers
+        let p = place(&m, &[cap("a", 4, 10.0), cap("b", 8, 10.0), cap("c", 4, 10.0)]).unwrap();
+        assert_eq!(p.strategy, Strategy::Pipeline);
+        assert_eq!(p.stages.first().unwrap().start, 0);
+        assert_eq!(p.stages.last().unwrap().end, 28);
+        for w in p.stages.windows(2) {
+            assert_eq!(w[0].end, w[1].start);
+        }
+        let b = p.stages.iter().find(|s| s.node == "b").unwrap();
+        assert!(b.end - b.start >= 12, "the 8 GiB node holds about half: {p:?}");
+    }
+
+    #[test]
+    fn never_more_than_a_node_offers_and_a_clear_error_when_the_swarm_is_too_small() {
+        let m = model(28, 5);
+        let p = place(&m, &[cap("a", 2, 100.0), cap("b", 14, 1.0)]).unwrap();
+        for s in &p.stages {
+            let offered = if s.node == "a" { 2u64 << 30 } else { 14 << 30 };
+            assert!((s.end - s.start) as u64 * m.bytes_per_layer <= offered, "{p:?}");
+        }
+        let err = place(&m, &[cap("a", 4, 1.0), cap("b", 4, 1.0)]).unwrap_err();
+        assert!(matches!(err, PlacementError::DoesNotFit { .. }));
+        assert!(err.to_string().contains("needs"), "{err}");
+    }
+
+    #[test]
+    fn deterministic_whatever_the_member_order() {
+        let m = model(30, 5);
+        let members = [cap("x", 5, 3.0), cap("y", 6, 9.0), cap("z", 7, 1.0)];
+        let mut rev = members.to_vec();
+        rev.reverse();
+        assert_eq!(place(&m, &members).unwrap(), place(&m, &rev).unwrap());
+    }
+
+    #[test]
+    fn faster_nodes_get_more_layers_at_equal_memory() {
+        let m = model(20, 5);
+        let p = place(&m, &[cap("a", 8, 40.0), cap("b", 8, 10.0)]).unwrap();
+        let n = |id: &str| p.stages.iter().find(|s| s.node == id).map(|s| s.end - s.start).unwrap();
+        assert!(n("a") > n("b"), "{p:?}");
+    }
+}

@@ -1,0 +1,309 @@
+//! One node's view of the swarm: who is alive (fresh advert and a live connection), who leads
+//! (highest priority, then smallest id, among the alive), and which plan is in force. The leader
+//! publishes a plan when membership or wanted models change, stamped with an epoch
+//! `(round, leader)` above every epoch it has seen, so no two leaders ever share an epoch.
+//! Nodes accept only newer epochs and serve only stages of the plan in force that are theirs.
+//! Plans ride in adverts, so a lost message is repaired by the next advert.
+//! The highest round seen must survive a restart (the node persists `highest_round()` in its
+//! data dir and passes it back to `new`), or a restarted leader could reuse an epoch.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde::{Deserialize, Serialize};
+
+use super::placement::{place, Capacity, ModelFootprint, Placement, Stage};
+use super::{Millis, NodeId};
+
+/// A plan's stamp: compared by round, then by leader (the smaller id wins a tie).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Epoch {
+    pub round: u64,
+    pub leader: NodeId,
+}
+
+impl Ord for Epoch {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.round.cmp(&other.round).then_with(|| other.leader.cmp(&self.leader))
+    }
+}
+
+impl PartialOrd for Epoch {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+/// The leader's decision for one epoch: the members it saw and where each wanted model runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Plan {
+    pub epoch: Epoch,
+    pub members: Vec<NodeId>,
+    /// Per model: its placement, or why the swarm cannot hold it.
+    pub placements: BTreeMap<String, Result<Placement, String>>,
+}
+
+/// What each node gossips about itself about every second.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeAdvert {
+    pub id: NodeId,
+    pub name: String,
+    /// Higher priority leads; equal priorities fall back to the smallest id.
+    pub priority: i32,
+    pub memory_total: u64,
+    pub memory_offered: u64,
+    pub mem_bandwidth: f64,
+    pub flops: f64,
+    pub backend: String,
+    pub addresses: Vec<String>,
+    /// Models this node's API has been asked for: the leader places them.
+    pub wants: Vec<ModelFootprint>,
+    /// The plan this node has in force, so that plans spread even when messages are lost.
+    pub plan: Option<Plan>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct ClusterConfig {
+    /// A member whose last advert is older than this is gone.
+    pub advert_ttl: Millis,
+}
+
+impl ClusterConfig {
+    /// Fast timers for tests (adverts every ~1 s).
+    pub const TEST: ClusterConfig = ClusterConfig { advert_ttl: 3_000 };
+    /// Users' LAN defaults.
+    pub const LAN: ClusterConfig = ClusterConfig { advert_ttl: 5_000 };
+}
+
+pub enum Input {
+    /// An advert from a peer (or our own, refreshed: then only `wants` and figures change).
+    Advert(NodeAdvert),
+    Connected(NodeId),
+    Disconnected(NodeId),
+    /// Time passed; expire stale members.
+    Tick,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum ClusterEvent {
+    MemberJoined(NodeId),
+    MemberLeft(NodeId),
+    LeaderChanged(NodeId),
+    PlanAccepted(Epoch),
+    PlanRefused { epoch: Epoch, reason: &'static str },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Output {
+    /// A new plan made here as leader; gossip it (it also rides in our next advert).
+    Publish(Plan),
+    Event(ClusterEvent),
+}
+
+struct Member {
+    advert: NodeAdvert,
+    last_seen: Millis,
+    connected: bool,
+}
+
+pub struct ClusterState {
+    me: NodeAdvert,
+    config: ClusterConfig,
+    members: BTreeMap<NodeId, Member>,
+    alive: BTreeSet<NodeId>,
+    leader: NodeId,
+    /// Highest round seen anywhere (plans and adverts), so a new leader goes above it.
+    highest_round: u64,
+    plan: Option<Plan>,
+}
+
+impl ClusterState {
+    /// `highest_round` is the value `highest_round()` had before this node last stopped (0 the first time).
+    pub fn new(me: NodeAdvert, config: ClusterConfig, highest_round: u64) -> Self {
+        let id = me.id.clone();
+        ClusterState { me, config, members: BTreeMap::new(), alive: BTreeSet::from([id.clone()]), leader: id, highest_round, plan: None }
+    }
+
+    /// The highest round seen or made here: persist it whenever it grows.
+    pub fn highest_round(&self) -> u64 {
+        self.highest_round
+    }
+
+    pub fn id(&self) -> &NodeId {
+        &self.me.id
+    }
+
+    pub fn leader(&self) -> &NodeId {
+        &self.leader
+    }
+
+    pub fn plan(&self) -> Option<&Plan> {
+        self.plan.as_ref()
+    }
+
+    pub fn alive(&self) -> &BTreeSet<NodeId> {
+        &self.alive
+    }
+
+    pub fn advert_of(&self, id: &str) -> Option<&NodeAdvert> {
+        if id == self.me.id {
+            Some(&self.me)
+        } else {
+            self.members.get(id).map(|m| &m.advert)
+        }
+    }
+
+    /// Our advert as it should be gossiped now (carrying the plan in force).
+    pub fn advert(&self) -> NodeAdvert {
+        NodeAdvert { plan: self.plan.clone(), ..self.me.clone() }
+    }
+
+    /// Asks the swarm to place a model (gossiped in our adverts until the leader plans it).
+    pub fn want(&mut self, model: ModelFootprint, now: Millis) -> Vec<Output> {
+        if !self.me.wants.iter().any(|w| w.model == model.model) {
+            self.me.wants.push(model);
+        }
+        self.reconcile(now)
+    }
+
+    /// Our stage of `model` in the plan in force, if we have one: the only work we may serve.
+    pub fn my_stage(&self, model: &str) -> Option<&Stage> {
+        let placement = self.plan.as_ref()?.placements.get(model)?.as_ref().ok()?;
+        placement.stages.iter().find(|s| s.node == self.me.id)
+    }
+
+    /// Whether work stamped with `epoch` may be served here (only the plan in force).
+    pub fn serves_epoch(&self, epoch: &Epoch) -> bool {
+        self.plan.as_ref().is_some_and(|p| &p.epoch == epoch)
+    }
+
+    pub fn handle(&mut self, input: Input, now: Millis) -> Vec<Output> {
+        let mut out = Vec::new();
+        match input {
+            Input::Advert(advert) if advert.id == self.me.id => {}
+            Input::Advert(advert) => {
+                if let Some(plan) = advert.plan.clone() {
+                    self.consider_plan(plan, &mut out);
+                }
+                let id = advert.id.clone();
+                let member = self.members.entry(id).or_insert(Member { advert: advert.clone(), last_seen: now, connected: false });
+                member.advert = advert;
+                member.last_seen = now;
+            }
+            Input::Connected(id) => {
+                if let Some(m) = self.members.get_mut(&id) {
+                    m.connected = true;
+                } else if id != self.me.id {
+                    // Connected before the first advert: alive once an advert arrives.
+                    self.members.insert(id.clone(), Member { advert: placeholder(&id), last_seen: 0, connected: true });
+                }
+            }
+            Input::Disconnected(id) => {
+                if let Some(m) = self.members.get_mut(&id) {
+                    m.connected = false;
+                }
+            }
+            Input::Tick => {}
+        }
+        out.extend(self.reconcile(now));
+        out
+    }
+
+    fn consider_plan(&mut self, plan: Plan, out: &mut Vec<Output>) {
+        self.highest_round = self.highest_round.max(plan.epoch.round);
+        match &self.plan {
+            Some(current) if plan.epoch <= current.epoch => {
+                if plan.epoch < current.epoch {
+                    out.push(Output::Event(ClusterEvent::PlanRefused { epoch: plan.epoch, reason: "older than the plan in force" }));
+                }
+            }
+            _ => {
+                out.push(Output::Event(ClusterEvent::PlanAccepted(plan.epoch.clone())));
+                self.plan = Some(plan);
+            }
+        }
+    }
+
+    fn reconcile(&mut self, now: Millis) -> Vec<Output> {
+        let mut out = Vec::new();
+        let ttl = self.config.advert_ttl;
+        let alive: BTreeSet<NodeId> = self
+            .members
+            .iter()
+            .filter(|(_, m)| m.connected && m.last_seen > 0 && now.saturating_sub(m.last_seen) <= ttl)
+            .map(|(id, _)| id.clone())
+            .chain(std::iter::once(self.me.id.clone()))
+            .collect();
+        for id in alive.difference(&self.alive) {
+            out.push(Output::Event(ClusterEvent::MemberJoined(id.clone())));
+        }
+        for id in self.alive.difference(&alive) {
+            out.push(Output::Event(ClusterEvent::MemberLeft(id.clone())));
+        }
+        // Forget members long gone so the map stays bounded.
+        self.members.retain(|_, m| m.connected || now.saturating_sub(m.last_seen) <= 10 * ttl);
+        self.alive = alive;
+        for m in self.members.values().filter(|m| self.alive.contains(&m.advert.id)) {
+            if let Some(p) = &m.advert.plan {
+                self.highest_round = self.highest_round.max(p.epoch.round);
+            }
+        }
+
+        let leader = self
+            .alive
+            .iter()
+            .filter_map(|id| self.advert_of(id))
+            .max_by(|a, b| a.priority.cmp(&b.priority).then_with(|| b.id.cmp(&a.id)))
+            .map(|a| a.id.clone())
+            .unwrap_or_else(|| self.me.id.clone());
+        if leader != self.leader {
+            self.leader = leader;
+            out.push(Output::Event(ClusterEvent::LeaderChanged(self.leader.clone())));
+        }
+        if self.leader == self.me.id {
+            let members: Vec<NodeId> = self.alive.iter().cloned().collect();
+            let placements = self.placements();
+            let current = self.plan.as_ref();
+            let stale = match current {
+                None => !placements.is_empty() || members.len() > 1,
+                Some(p) => p.epoch.leader != self.me.id || p.members != members || p.placements != placements,
+            };
+            if stale {
+                self.highest_round += 1;
+                let plan = Plan { epoch: Epoch { round: self.highest_round, leader: self.me.id.clone() }, members, placements };
+                out.push(Output::Event(ClusterEvent::PlanAccepted(plan.epoch.clone())));
+                out.push(Output::Publish(plan.clone()));
+                self.plan = Some(plan);
+            }
+        }
+        out
+    }
+
+    /// Placements for every model wanted by an alive member, over the alive members.
+    fn placements(&self) -> BTreeMap<String, Result<Placement, String>> {
+        let adverts: Vec<&NodeAdvert> = self.alive.iter().filter_map(|id| self.advert_of(id)).collect();
+        let capacity: Vec<Capacity> = adverts.iter().map(|a| Capacity { node: a.id.clone(), memory_offered: a.memory_offered, mem_bandwidth: a.mem_bandwidth }).collect();
+        let mut wanted: BTreeMap<String, &ModelFootprint> = BTreeMap::new();
+        for a in &adverts {
+            for w in &a.wants {
+                wanted.entry(w.model.clone()).or_insert(w);
+            }
+        }
+        wanted.into_iter().map(|(name, fp)| (name, place(fp, &capacity).map_err(|e| e.to_string()))).collect()
+    }
+}
+
+fn placeholder(id: &str) -> NodeAdvert {
+    NodeAdvert {
+        id: id.to_string(),
+        name: String::new(),
+        priority: i32::MIN,
+        memory_total: 0,
+        memory_offered: 0,
+        mem_bandwidth: 0.0,
+        flops: 0.0,
+        backend: String::new(),
+        addresses: vec![],
+        wants: vec![],
+        plan: None,
+    }
+}
