@@ -6,8 +6,9 @@
 #   shoal.desktop   Linux desktop entry; its Exec runs shoal-launcher beside it
 #   shoal-launcher, shoal.svg   the Linux launcher script and icon
 # All three run scripts/launcher/shoal-launcher.sh. --bin PATH copies a shoal binary into the
-# bundle (on macOS the default is target/release/shoal when it exists; a Linux binary is never
-# put in the .app). --install also copies shoal.desktop to ~/.local/share/applications.
+# bundle; without it, on a Mac target/release/shoal is copied when it exists, on Linux nothing
+# (a Linux build would not run on a Mac). --install copies shoal.desktop to ~/.local/share/applications.
+# The app icon is the committed scripts/launcher/Shoal.icns (make-icon.mjs regenerates it).
 # It does not sign or notarise the .app and does not build shoal.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -48,7 +49,7 @@ APP="$OUT/Shoal.app"
 rm -rf "$APP"
 mkdir -p "$APP/Contents/MacOS" "$APP/Contents/Resources"
 write_launcher "$APP/Contents/MacOS/shoal-launcher"
-cp "$ROOT/web/favicon.svg" "$APP/Contents/Resources/shoal.svg"
+cp "$ROOT/scripts/launcher/Shoal.icns" "$APP/Contents/Resources/Shoal.icns"
 printf 'APPL????' >"$APP/Contents/PkgInfo"
 if [ -n "$BIN" ]; then
     cp "$BIN" "$APP/Contents/MacOS/shoal"
@@ -65,6 +66,8 @@ cat >"$APP/Contents/Info.plist" <<EOF
 	<string>Shoal</string>
 	<key>CFBundleExecutable</key>
 	<string>shoal-launcher</string>
+	<key>CFBundleIconFile</key>
+	<string>Shoal.icns</string>
 	<key>CFBundleIdentifier</key>
 	<string>dev.shoal.launcher</string>
 	<key>CFBundleInfoDictionaryVersion</key>

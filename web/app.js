@@ -272,12 +272,18 @@
     return el.messages.scrollHeight - el.messages.scrollTop - el.messages.clientHeight < 80;
   }
 
-  /** Re-renders one message in place (if it is on screen), keeping the scroll pinned. */
+  /**
+   * Updates one message in place (if it is on screen), keeping the scroll pinned to the end.
+   * The article stays the same node, so the live region does not announce it anew per token.
+   */
   function refreshMessage(m) {
     const old = el.messages.querySelector('[data-message-id="' + CSS.escape(m.id) + '"]');
     if (!old) return;
     const stick = nearBottom();
-    old.replaceWith(messageNode(m));
+    const fresh = messageNode(m);
+    if (m.role === 'assistant') old.setAttribute('data-streaming', String(!!m.streaming));
+    old.setAttribute('aria-busy', String(!!m.streaming));
+    old.replaceChildren(...fresh.childNodes);
     if (stick) el.messages.scrollTop = el.messages.scrollHeight;
   }
 
