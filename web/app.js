@@ -503,12 +503,18 @@
     }
   }
 
+  let modelsTimer = 0;
+  let modelsRun = 0; // a newer call supersedes an older one still waiting on the network
   async function pollModels() {
+    clearTimeout(modelsTimer);
+    const run = ++modelsRun;
     try {
       const res = await api('/v1/models');
+      if (run !== modelsRun) return;
       noteAuth(res.status);
       if (res.ok) {
         const body = await res.json();
+        if (run !== modelsRun) return;
         models = Array.isArray(body.data) ? body.data : [];
         if (loadPending && models.some((m) => m.id === loadPending && m.shoal && m.shoal.loaded)) loadPending = null;
         const gone = loadPending && loadSawProgress && !lastProgress.some((p) => p.model === loadPending);
@@ -519,13 +525,13 @@
           loadPending = null;
           renderModels();
           if (el.modelSelect.value === failed) el.modelInfo.textContent = 'Loading ' + failed + " ended without it loaded; the node's log says why.";
-          setTimeout(pollModels, MODELS_POLL_MS);
+          modelsTimer = setTimeout(pollModels, MODELS_POLL_MS);
           return;
         }
         renderModels();
       }
     } catch (_) { /* the cluster poll reports the connection */ }
-    setTimeout(pollModels, loadPending ? MODELS_POLL_LOADING_MS : MODELS_POLL_MS);
+    modelsTimer = setTimeout(pollModels, loadPending ? MODELS_POLL_LOADING_MS : MODELS_POLL_MS);
   }
 
   async function loadModel() {
@@ -695,7 +701,7 @@
     const tokenChanged = settings.token !== el.setToken.value.trim();
     settings.token = el.setToken.value.trim();
     saveSettings();
-    if (tokenChanged) { bannerState.auth = null; renderBanner(); modelsKey = ''; }
+    if (tokenChanged) { bannerState.auth = null; renderBanner(); modelsKey = ''; pollModels(); }
   }
 
   el.composer.addEventListener('submit', (e) => { e.preventDefault(); submit(); });
