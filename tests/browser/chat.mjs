@@ -135,8 +135,11 @@ try {
   check('final answer is non-empty', finalText.trim().length > 0, finalText.slice(0, 200));
   summary.partials = partials.length;
   summary.partialLengths = partials.map((p) => p.len).slice(0, 40);
-  check('at least two streamed updates before the final one', partials.length >= 2 && partials[partials.length - 1].len <= finalText.length && partials[0].len < finalText.length,
-    { partials: partials.length, first: partials[0] && partials[0].len, final: finalText.length });
+  // Partials were recorded as textContent; compare like with like.
+  const finalLen = await reply.getByTestId('message-content').evaluate((n) => n.textContent.length);
+  const shorter = partials.filter((p) => p.len < finalLen).length;
+  check('at least two streamed updates before the final one', shorter >= 2 && partials.every((p) => p.len <= finalLen),
+    { partials: partials.length, shorterThanFinal: shorter, first: partials[0] && partials[0].len, final: finalLen });
   const rendered = await reply.getByTestId('message-content').evaluate((n) => ({
     elements: Array.from(n.querySelectorAll('*')).map((e) => e.tagName.toLowerCase()),
     code: n.querySelectorAll('pre code').length,
