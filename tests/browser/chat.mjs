@@ -80,7 +80,7 @@ try {
     const seen = new Set();
     new MutationObserver(() => {
       const msg = document.querySelector('[data-testid="message-assistant"][data-streaming="true"] [data-testid="message-content"]');
-      if (!msg) return;
+      if (!msg || msg.querySelector('.typing')) return; // the waiting dots are not reply text
       const text = msg.textContent;
       if (text && !seen.has(text)) { seen.add(text); window.__partials.push({ t: performance.now(), len: text.length, text }); }
     }).observe(document, { subtree: true, childList: true, characterData: true });
