@@ -7,6 +7,7 @@
 //! - bad_input: corrupt, missing and unsupported files; over-long prompts; via the CLI
 //! - gguf_tokenizer: tokenizers built from GGUF metadata vs the reference tokenizer.json
 //! - text: chat templates, stop tokens, sampling determinism
+//! - pipeline: layer-range stages chained through wire-format hidden states equal one node
 //! - simulator: seeded churn over the cluster state machines, invariants every step
 
 mod util;
@@ -15,6 +16,7 @@ mod bad_input;
 mod fidelity;
 mod gguf_quant;
 mod gguf_tokenizer;
+mod pipeline;
 mod real_models;
 mod sharding;
 mod simulator;

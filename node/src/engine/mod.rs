@@ -13,6 +13,7 @@ pub mod runtime;
 pub mod sampler;
 pub mod shard;
 pub mod spec;
+pub mod stage;
 pub mod text;
 pub mod weights;
 
