@@ -7,11 +7,14 @@
 //! - bad_input: corrupt, missing and unsupported files; over-long prompts; via the CLI
 //! - gguf_tokenizer: tokenizers built from GGUF metadata vs the reference tokenizer.json
 //! - text: chat templates, stop tokens, sampling determinism
+//! - api: `shoal serve` over HTTP with the OpenAI SDK, curl and reqwest: streaming, errors,
+//!   queueing, cancellation, the cluster view and the embedded UI
 //! - pipeline: layer-range stages chained through wire-format hidden states equal one node
 //! - simulator: seeded churn over the cluster state machines, invariants every step
 
 mod util;
 
+mod api;
 mod bad_input;
 mod fidelity;
 mod gguf_quant;

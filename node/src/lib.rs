@@ -2,5 +2,7 @@
 //! This crate holds every layer of a node (see ARCHITECTURE.md); the binary in `main.rs`
 //! only parses the command line and wires the layers together.
 
+pub mod api;
 pub mod cluster;
 pub mod engine;
+pub mod identity;

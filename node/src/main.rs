@@ -1,5 +1,6 @@
 //! The `shoal` binary: parses the command line and hands typed options to the library.
-//! It holds no logic of its own beyond printing; `run` writes only generated text to stdout.
+//! It holds no logic of its own beyond printing and signal wiring; `run` writes only generated
+//! text to stdout; `serve` (the default with no subcommand) starts the node's HTTP API and UI.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -9,19 +10,58 @@ use clap::{Parser, Subcommand};
 use shoal::engine::generate::Prompt;
 use shoal::engine::runtime::EngineHandle;
 use shoal::engine::text::ChatMessage;
+use shoal::api::{ApiConfig, NodeInfo, Server};
 use shoal::engine::{GenerationEvent, GenerationRequest, LoadOptions, LoadedModel, SamplingParams};
+use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
 #[command(name = "shoal", version, about = "peer-to-peer LLM inference swarm")]
+#[command(args_conflicts_with_subcommands = true)]
 struct Cli {
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
+    /// With no subcommand, `shoal [options]` is `shoal serve [options]`.
+    #[command(flatten)]
+    serve: ServeArgs,
 }
 
 #[derive(Subcommand)]
 enum Command {
     /// Generate text from a prompt on this machine and print it.
     Run(RunArgs),
+    /// Start the node: the OpenAI-compatible API and the web UI on one port (the default).
+    Serve(ServeArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Port for the API and the web UI.
+    #[arg(long, default_value_t = 52415)]
+    api_port: u16,
+    /// Address to listen on (0.0.0.0: every interface).
+    #[arg(long, default_value = "0.0.0.0")]
+    host: std::net::IpAddr,
+    /// Where the node keeps its key and models (default: the platform's data dir + /shoal).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// A model (GGUF file or model directory) to load at start.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Cap the memory this node offers: bytes, or with a unit (500MB, 8GiB).
+    #[arg(long, value_parser = parse_bytes)]
+    memory_limit: Option<u64>,
+    /// Require `Authorization: Bearer <key>` on every /v1 request.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Cap each model's context window (tokens) below its own.
+    #[arg(long)]
+    context: Option<usize>,
+    /// Requests that may wait behind the running one; more get 503 with Retry-After.
+    #[arg(long, default_value_t = 16)]
+    max_queue: usize,
+    /// Seconds a request may wait in the queue before it gets 503.
+    #[arg(long, default_value_t = 600)]
+    queue_timeout: u64,
 }
 
 #[derive(clap::Args)]
@@ -68,7 +108,9 @@ fn main() -> std::process::ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Run(args) => run(args),
+        Some(Command::Run(args)) => run(args),
+        Some(Command::Serve(args)) => serve(args),
+        None => serve(cli.serve),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -133,6 +175,106 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         eprintln!("peak RSS {} MB", bytes / 1_000_000);
     }
     Ok(())
+}
+
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let data_dir = match args.data_dir {
+        Some(d) => d,
+        None => dirs::data_dir().context("no platform data directory: pass --data-dir")?.join("shoal"),
+    };
+    let key = shoal::identity::load_or_create(&data_dir)?;
+    let node = NodeInfo {
+        id: shoal::identity::node_id(&key),
+        name: sysinfo::System::host_name().unwrap_or_else(|| "shoal".into()),
+        device: format!("{} {} cores", std::env::consts::ARCH, std::thread::available_parallelism().map_or(1, |n| n.get())),
+    };
+    let config = ApiConfig {
+        listen: std::net::SocketAddr::new(args.host, args.api_port),
+        data_dir,
+        preload: args.model,
+        memory_limit: args.memory_limit,
+        api_key: args.api_key.filter(|k| !k.is_empty()),
+        context: args.context,
+        max_queue: args.max_queue,
+        queue_timeout: std::time::Duration::from_secs(args.queue_timeout),
+        shutdown_timeout: std::time::Duration::from_secs(5),
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("shoal-io").enable_all().build()?;
+    runtime.block_on(async move {
+        let shutdown = CancellationToken::new();
+        let id = node.id.clone();
+        let server = Server::bind(config, node, &shutdown).await?;
+        let addr = server.local_addr();
+        let machine = server.machine();
+        eprintln!("shoal node {id}");
+        eprintln!("measured {:.1} GFLOP/s f32, {:.1} GB/s memory read", machine.flops / 1e9, machine.mem_bandwidth / 1e9);
+        let ui_host = if addr.ip().is_unspecified() { "127.0.0.1".to_string() } else { addr.ip().to_string() };
+        eprintln!("web UI and API: http://{}/", std::net::SocketAddr::new(ui_host.parse()?, addr.port()));
+        tokio::spawn(stop_on_signal(shutdown.clone()));
+        server.run(shutdown).await?;
+        eprintln!("shoal stopped");
+        Ok(())
+    })
+}
+
+/// Cancels `shutdown` on the first SIGINT or SIGTERM; a second one exits at once.
+async fn stop_on_signal(shutdown: CancellationToken) {
+    async fn signal() {
+        #[cfg(unix)]
+        {
+            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("installing a SIGTERM handler");
+            tokio::select! { _ = tokio::signal::ctrl_c() => {}, _ = term.recv() => {} }
+        }
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
+    }
+    signal().await;
+    eprintln!("shutting down (again to exit at once)");
+    shutdown.cancel();
+    signal().await;
+    std::process::exit(130);
+}
+
+/// `8GiB`, `500MB`, `1.5G`, `123456` → bytes. K/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of 1024.
+fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let value: f64 = number.parse().map_err(|_| format!("`{text}` is not a size: use bytes or a unit, e.g. 500MB, 8GiB"))?;
+    let scale: f64 = match unit.trim().to_ascii_lowercase().trim_end_matches('b') {
+        "" => 1.0,
+        "k" => 1e3,
+        "m" => 1e6,
+        "g" => 1e9,
+        "t" => 1e12,
+        "ki" => 1024.0,
+        "mi" => 1024.0 * 1024.0,
+        "gi" => 1024.0 * 1024.0 * 1024.0,
+        "ti" => 1024.0f64.powi(4),
+        other => return Err(format!("unknown size unit `{other}` in `{text}`: use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")),
+    };
+    let bytes = value * scale;
+    if !bytes.is_finite() || bytes < 1.0 || bytes > u64::MAX as f64 {
+        return Err(format!("`{text}` is not a usable memory size"));
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_bytes;
+
+    #[test]
+    fn memory_sizes_parse_with_and_without_units() {
+        assert_eq!(parse_bytes("8GiB"), Ok(8 << 30));
+        assert_eq!(parse_bytes("500MB"), Ok(500_000_000));
+        assert_eq!(parse_bytes("1.5G"), Ok(1_500_000_000));
+        assert_eq!(parse_bytes("123456"), Ok(123_456));
+        assert_eq!(parse_bytes("2 gib"), Ok(2 << 30));
+        assert!(parse_bytes("8 parsecs").is_err());
+        assert!(parse_bytes("0").is_err());
+        assert!(parse_bytes("GiB").is_err());
+    }
 }
 
 /// The process's peak resident set size, where the OS reports it (Linux `VmHWM`).

@@ -9,6 +9,7 @@ pub mod generate;
 pub mod gguf_tokenizer;
 pub mod layers;
 pub mod model;
+pub mod probe;
 pub mod runtime;
 pub mod sampler;
 pub mod shard;
