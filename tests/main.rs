@@ -10,6 +10,8 @@
 //! - api: `shoal serve` over HTTP with the OpenAI SDK, curl and reqwest: streaming, errors,
 //!   queueing, cancellation, the cluster view and the embedded UI
 //! - pipeline: layer-range stages chained through wire-format hidden states equal one node
+//! - net: the libp2p swarm actor on loopback (static peers, no mDNS): mesh, adverts, RPCs,
+//!   cluster keys, malformed gossip, dead peers
 //! - simulator: seeded churn over the cluster state machines, invariants every step
 
 mod util;
@@ -20,6 +22,7 @@ mod fidelity;
 mod gguf_quant;
 mod gguf_tokenizer;
 mod pipeline;
+mod net;
 mod real_models;
 mod sharding;
 mod simulator;

@@ -6,3 +6,4 @@ pub mod api;
 pub mod cluster;
 pub mod engine;
 pub mod identity;
+pub mod net;

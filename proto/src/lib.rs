@@ -7,6 +7,9 @@ pub const WIRE_VERSION: u32 = 1;
 /// No message larger than this is decoded; checked before allocation.
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
+/// No gossiped message (an advert) is larger than this; gossipsub drops bigger ones unread.
+pub const MAX_GOSSIP_BYTES: usize = 1 << 20;
+
 pub mod v1 {
     include!(concat!(env!("OUT_DIR"), "/shoal.v1.rs"));
 }

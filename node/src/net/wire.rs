@@ -1,0 +1,278 @@
+//! Conversions between the `cluster` types and their `proto` messages, with validation of
+//! everything that arrives: versions, vector lengths, string sizes, peer ids, layer ranges,
+//! numbers. Remote input never panics here; every refusal is a typed `WireError`.
+//! Control RPC envelopes stay `proto` types (the pipeline owns their meaning); this file only
+//! checks their shape (`check_request`, `check_response`) and packs hidden states.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::str::FromStr;
+
+use libp2p::PeerId;
+use prost::Message;
+use shoal_proto::v1;
+use shoal_proto::WIRE_VERSION;
+
+use crate::cluster::{Epoch, ModelFootprint, NodeAdvert, Placement, Plan, Stage, Strategy};
+
+/// Longest name, backend, address or model string accepted.
+pub const MAX_STRING_BYTES: usize = 256;
+/// Longest placement error text accepted.
+pub const MAX_ERROR_BYTES: usize = 1024;
+/// Most addresses in one advert.
+pub const MAX_ADDRESSES: usize = 32;
+/// Most wanted models in one advert, and most placements in one plan.
+pub const MAX_MODELS: usize = 64;
+/// Most members in one plan (and stages in one placement).
+pub const MAX_MEMBERS: usize = 256;
+/// No model has more layers than this.
+pub const MAX_LAYERS: u32 = 4096;
+/// Widest hidden state accepted.
+pub const MAX_HIDDEN_SIZE: u32 = 1 << 16;
+
+/// Why a message from the wire was refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WireError {
+    /// The bytes are not a valid protobuf message of the expected type (this includes strings that are not UTF-8).
+    #[error("not a valid message: {0}")]
+    Decode(String),
+    /// The message's `version` is not the one this node speaks.
+    #[error("wire version {got}, expected {}", WIRE_VERSION)]
+    Version { got: u32 },
+    /// A required field is absent.
+    #[error("missing field {0}")]
+    Missing(&'static str),
+    /// A repeated field has more entries than allowed.
+    #[error("{field} has {len} entries, at most {max} allowed")]
+    TooMany { field: &'static str, len: usize, max: usize },
+    /// A string or byte field is longer than allowed.
+    #[error("{field} is {len} bytes, at most {max} allowed")]
+    TooLong { field: &'static str, len: usize, max: usize },
+    /// A node id is not a libp2p PeerId.
+    #[error("{field} is not a peer id")]
+    BadId { field: &'static str },
+    /// The advert's id is not the peer that signed it.
+    #[error("advert for {claimed} signed by {signer}")]
+    NotSigner { claimed: String, signer: PeerId },
+    /// A layer range or layer count is impossible (empty, reversed, gapped or too large).
+    #[error("bad layers in {field}: {detail}")]
+    BadLayers { field: &'static str, detail: String },
+    /// A number is out of range (negative, not finite, or overflowing when summed).
+    #[error("{field} is out of range")]
+    OutOfRange { field: &'static str },
+    /// The same member or model appears twice.
+    #[error("{field} has a duplicate entry")]
+    Duplicate { field: &'static str },
+    /// Hidden states whose byte length does not match rows x hidden_size f32 values.
+    #[error("hidden states of {rows} x {hidden_size} carry {bytes} bytes")]
+    HiddenShape { rows: u32, hidden_size: u32, bytes: usize },
+}
+
+fn check_len(field: &'static str, s: &str, max: usize) -> Result<(), WireError> {
+    if s.len() > max {
+        return Err(WireError::TooLong { field, len: s.len(), max });
+    }
+    Ok(())
+}
+
+fn check_count<T>(field: &'static str, v: &[T], max: usize) -> Result<(), WireError> {
+    if v.len() > max {
+        return Err(WireError::TooMany { field, len: v.len(), max });
+    }
+    Ok(())
+}
+
+fn check_id(field: &'static str, id: &str) -> Result<(), WireError> {
+    check_len(field, id, MAX_STRING_BYTES)?;
+    PeerId::from_str(id).map(|_| ()).map_err(|_| WireError::BadId { field })
+}
+
+fn check_figure(field: &'static str, x: f64) -> Result<f64, WireError> {
+    if x.is_finite() && x >= 0.0 {
+        Ok(x)
+    } else {
+        Err(WireError::OutOfRange { field })
+    }
+}
+
+fn check_version(got: u32) -> Result<(), WireError> {
+    if got != WIRE_VERSION {
+        return Err(WireError::Version { got });
+    }
+    Ok(())
+}
+
+/// The advert as sent: `version` set, the plan included.
+pub fn advert_to_proto(a: &NodeAdvert) -> v1::Advert {
+    v1::Advert {
+        version: WIRE_VERSION,
+        id: a.id.clone(),
+        name: a.name.clone(),
+        priority: a.priority,
+        memory_total: a.memory_total,
+        memory_offered: a.memory_offered,
+        mem_bandwidth: a.mem_bandwidth,
+        flops: a.flops,
+        backend: a.backend.clone(),
+        addresses: a.addresses.clone(),
+        wants: a.wants.iter().map(footprint_to_proto).collect(),
+        plan: a.plan.as_ref().map(plan_to_proto),
+    }
+}
+
+/// A received advert, validated; its id must be `signer`, the peer whose key signed it.
+pub fn advert_from_proto(a: v1::Advert, signer: &PeerId) -> Result<NodeAdvert, WireError> {
+    check_version(a.version)?;
+    check_id("advert.id", &a.id)?;
+    if a.id != signer.to_string() {
+        return Err(WireError::NotSigner { claimed: a.id, signer: *signer });
+    }
+    check_len("advert.name", &a.name, MAX_STRING_BYTES)?;
+    check_len("advert.backend", &a.backend, MAX_STRING_BYTES)?;
+    check_count("advert.addresses", &a.addresses, MAX_ADDRESSES)?;
+    for address in &a.addresses {
+        check_len("advert.addresses", address, MAX_STRING_BYTES)?;
+    }
+    check_count("advert.wants", &a.wants, MAX_MODELS)?;
+    Ok(NodeAdvert {
+        mem_bandwidth: check_figure("advert.mem_bandwidth", a.mem_bandwidth)?,
+        flops: check_figure("advert.flops", a.flops)?,
+        wants: a.wants.into_iter().map(footprint_from_proto).collect::<Result<_, _>>()?,
+        plan: a.plan.map(plan_from_proto).transpose()?,
+        id: a.id,
+        name: a.name,
+        priority: a.priority,
+        memory_total: a.memory_total,
+        memory_offered: a.memory_offered,
+        backend: a.backend,
+        addresses: a.addresses,
+    })
+}
+
+/// The gossip payload of an advert.
+pub fn encode_advert(a: &NodeAdvert) -> Vec<u8> {
+    advert_to_proto(a).encode_to_vec()
+}
+
+/// A gossip payload, decoded and validated (the caller has already capped its size).
+pub fn decode_advert(bytes: &[u8], signer: &PeerId) -> Result<NodeAdvert, WireError> {
+    let advert = v1::Advert::decode(bytes).map_err(|e| WireError::Decode(e.to_string()))?;
+    advert_from_proto(advert, signer)
+}
+
+fn footprint_to_proto(f: &ModelFootprint) -> v1::ModelFootprint {
+    v1::ModelFootprint {
+        model: f.model.clone(),
+        // Footprints made here come from real models, far below u32::MAX layers.
+        layers: u32::try_from(f.layers).unwrap_or(u32::MAX),
+        bytes_per_layer: f.bytes_per_layer,
+        embedding_bytes: f.embedding_bytes,
+        head_bytes: f.head_bytes,
+    }
+}
+
+fn footprint_from_proto(f: v1::ModelFootprint) -> Result<ModelFootprint, WireError> {
+    check_len("wants.model", &f.model, MAX_STRING_BYTES)?;
+    if f.layers > MAX_LAYERS {
+        return Err(WireError::BadLayers { field: "wants.layers", detail: format!("{} layers", f.layers) });
+    }
+    // `ModelFootprint::total_bytes` sums these unchecked: refuse what would overflow there.
+    let total = f.bytes_per_layer.checked_mul(u64::from(f.layers)).and_then(|b| b.checked_add(f.embedding_bytes)).and_then(|b| b.checked_add(f.head_bytes));
+    if total.is_none() {
+        return Err(WireError::OutOfRange { field: "wants.bytes" });
+    }
+    Ok(ModelFootprint { model: f.model, layers: f.layers as usize, bytes_per_layer: f.bytes_per_layer, embedding_bytes: f.embedding_bytes, head_bytes: f.head_bytes })
+}
+
+fn plan_to_proto(p: &Plan) -> v1::Plan {
+    let placements = p
+        .placements
+        .iter()
+        .map(|(model, outcome)| v1::ModelPlacement {
+            model: model.clone(),
+            outcome: Some(match outcome {
+                Ok(placement) => v1::model_placement::Outcome::Placement(placement_to_proto(placement)),
+                Err(error) => v1::model_placement::Outcome::Error(error.clone()),
+            }),
+        })
+        .collect();
+    v1::Plan { epoch: Some(v1::Epoch { round: p.epoch.round, leader: p.epoch.leader.clone() }), members: p.members.clone(), placements }
+}
+
+fn plan_from_proto(p: v1::Plan) -> Result<Plan, WireError> {
+    let epoch = p.epoch.ok_or(WireError::Missing("plan.epoch"))?;
+    check_id("plan.epoch.leader", &epoch.leader)?;
+    check_count("plan.members", &p.members, MAX_MEMBERS)?;
+    let mut members = BTreeSet::new();
+    for member in &p.members {
+        check_id("plan.members", member)?;
+        if !members.insert(member.as_str()) {
+            return Err(WireError::Duplicate { field: "plan.members" });
+        }
+    }
+    check_count("plan.placements", &p.placements, MAX_MODELS)?;
+    let mut placements = BTreeMap::new();
+    for mp in p.placements {
+        check_len("plan.placements.model", &mp.model, MAX_STRING_BYTES)?;
+        let outcome = match mp.outcome.ok_or(WireError::Missing("plan.placements.outcome"))? {
+            v1::model_placement::Outcome::Placement(placement) => Ok(placement_from_proto(placement, &members)?),
+            v1::model_placement::Outcome::Error(error) => {
+                check_len("plan.placements.error", &error, MAX_ERROR_BYTES)?;
+                Err(error)
+            }
+        };
+        if placements.insert(mp.model, outcome).is_some() {
+            return Err(WireError::Duplicate { field: "plan.placements" });
+        }
+    }
+    Ok(Plan { epoch: Epoch { round: epoch.round, leader: epoch.leader }, members: p.members, placements })
+}
+
+fn placement_to_proto(p: &Placement) -> v1::Placement {
+    let strategy = match p.strategy {
+        Strategy::Single => v1::Strategy::Single,
+        Strategy::Pipeline => v1::Strategy::Pipeline,
+    };
+    let stages = p
+        .stages
+        .iter()
+        .map(|s| v1::Stage {
+            node: s.node.clone(),
+            // Stages made here lie within a model's layers, far below u32::MAX.
+            layers: Some(v1::LayerRange { start: u32::try_from(s.start).unwrap_or(u32::MAX), end: u32::try_from(s.end).unwrap_or(u32::MAX) }),
+        })
+        .collect();
+    v1::Placement { strategy: strategy as i32, stages }
+}
+
+/// Stages must be contiguous from layer 0, each non-empty, each on a member of the plan.
+fn placement_from_proto(p: v1::Placement, members: &BTreeSet<&str>) -> Result<Placement, WireError> {
+    let strategy = match v1::Strategy::try_from(p.strategy) {
+        Ok(v1::Strategy::Single) => Strategy::Single,
+        Ok(v1::Strategy::Pipeline) => Strategy::Pipeline,
+        _ => return Err(WireError::OutOfRange { field: "placement.strategy" }),
+    };
+    if p.stages.is_empty() {
+        return Err(WireError::Missing("placement.stages"));
+    }
+    check_count("placement.stages", &p.stages, MAX_MEMBERS)?;
+    let mut stages = Vec::with_capacity(p.stages.len());
+    let mut next = 0u32;
+    for stage in p.stages {
+        check_id("placement.stages.node", &stage.node)?;
+        if !members.contains(stage.node.as_str()) {
+            return Err(WireError::BadId { field: "placement.stages.node" });
+        }
+        let range = stage.layers.ok_or(WireError::Missing("placement.stages.layers"))?;
+        if range.start != next || range.end <= range.start || range.end > MAX_LAYERS {
+            return Err(WireError::BadLayers { field: "placement.stages", detail: format!("[{}, {}) after layer {next}", range.start, range.end) });
+        }
+        next = range.end;
+        stages.push(Stage { node: stage.node, start: range.start as usize, end: range.end as usize });
+    }
+    Ok(Placement { strategy, stages })
+}
+
+#[cfg(test)]
+#[path = "wire_tests.rs"]
+mod tests;

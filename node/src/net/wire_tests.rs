@@ -1,0 +1,118 @@
+//! Unit tests of `wire`: adverts round-trip through protobuf, and every kind of bad remote
+//! input is a typed error rather than a panic or a silently wrong advert.
+
+use super::*;
+
+fn advert(id: &PeerId, other: &PeerId) -> NodeAdvert {
+    let me = id.to_string();
+    let you = other.to_string();
+    let footprint = ModelFootprint { model: "qwen".into(), layers: 28, bytes_per_layer: 1 << 20, embedding_bytes: 5, head_bytes: 6 };
+    let placement = Placement {
+        strategy: Strategy::Pipeline,
+        stages: vec![Stage { node: me.clone(), start: 0, end: 10 }, Stage { node: you.clone(), start: 10, end: 28 }],
+    };
+    let placements = BTreeMap::from([("qwen".to_string(), Ok(placement)), ("huge".to_string(), Err("does not fit".to_string()))]);
+    NodeAdvert {
+        id: me.clone(),
+        name: "box".into(),
+        priority: -3,
+        memory_total: 64 << 30,
+        memory_offered: 32 << 30,
+        mem_bandwidth: 38e9,
+        flops: 1.2e11,
+        backend: "cpu".into(),
+        addresses: vec!["/ip4/10.0.0.1/tcp/52416".into()],
+        wants: vec![footprint],
+        plan: Some(Plan { epoch: Epoch { round: 7, leader: me.clone() }, members: vec![me, you], placements }),
+    }
+}
+
+fn stages(p: &mut v1::Advert) -> &mut Vec<v1::Stage> {
+    let placements = &mut p.plan.as_mut().unwrap().placements;
+    let qwen = placements.iter_mut().find(|m| m.model == "qwen").unwrap();
+    match qwen.outcome.as_mut().unwrap() {
+        v1::model_placement::Outcome::Placement(placement) => &mut placement.stages,
+        v1::model_placement::Outcome::Error(_) => unreachable!("the fixture places qwen"),
+    }
+}
+
+fn proto_of(a: &NodeAdvert) -> v1::Advert {
+    advert_to_proto(a)
+}
+
+#[test]
+fn an_advert_round_trips() {
+    let (me, you) = (PeerId::random(), PeerId::random());
+    let a = advert(&me, &you);
+    assert_eq!(decode_advert(&encode_advert(&a), &me).unwrap(), a);
+    let bare = NodeAdvert { plan: None, wants: vec![], ..a };
+    assert_eq!(decode_advert(&encode_advert(&bare), &me).unwrap(), bare);
+}
+
+#[test]
+fn an_advert_not_signed_by_its_node_is_refused() {
+    let (me, you) = (PeerId::random(), PeerId::random());
+    let a = advert(&me, &you);
+    assert!(matches!(decode_advert(&encode_advert(&a), &you), Err(WireError::NotSigner { .. })));
+}
+
+#[test]
+fn garbage_and_other_versions_are_refused() {
+    let me = PeerId::random();
+    assert!(matches!(decode_advert(&[0xff, 0xff, 0xff], &me), Err(WireError::Decode(_))));
+    // A string field holding invalid UTF-8 (field 2, id, length 2) fails to decode.
+    assert!(matches!(decode_advert(&[0x12, 0x02, 0xc3, 0x28], &me), Err(WireError::Decode(_))));
+    let mut p = proto_of(&advert(&me, &PeerId::random()));
+    p.version = 2;
+    assert_eq!(advert_from_proto(p, &me), Err(WireError::Version { got: 2 }));
+}
+
+#[test]
+fn oversized_vectors_and_strings_are_refused() {
+    let (me, you) = (PeerId::random(), PeerId::random());
+    let base = proto_of(&advert(&me, &you));
+    let mut p = base.clone();
+    p.addresses = vec!["a".into(); MAX_ADDRESSES + 1];
+    assert!(matches!(advert_from_proto(p, &me), Err(WireError::TooMany { .. })));
+    let mut p = base.clone();
+    p.name = "n".repeat(MAX_STRING_BYTES + 1);
+    assert!(matches!(advert_from_proto(p, &me), Err(WireError::TooLong { .. })));
+    let mut p = base.clone();
+    p.wants = vec![p.wants[0].clone(); MAX_MODELS + 1];
+    assert!(matches!(advert_from_proto(p, &me), Err(WireError::TooMany { .. })));
+    let mut p = base;
+    p.plan.as_mut().unwrap().members = vec![me.to_string(); MAX_MEMBERS + 1];
+    assert!(matches!(advert_from_proto(p, &me), Err(WireError::TooMany { .. })));
+}
+
+#[test]
+fn absurd_plans_and_footprints_are_refused() {
+    let (me, you) = (PeerId::random(), PeerId::random());
+    let base = proto_of(&advert(&me, &you));
+    for (start, end) in [(10, 10), (11, 28), (10, 5), (10, MAX_LAYERS + 1)] {
+        let mut p = base.clone();
+        stages(&mut p)[1].layers = Some(v1::LayerRange { start, end });
+        assert!(matches!(advert_from_proto(p, &me), Err(WireError::BadLayers { .. })), "[{start}, {end})");
+    }
+    let mut p = base.clone();
+    stages(&mut p)[1].node = PeerId::random().to_string();
+    assert!(matches!(advert_from_proto(p, &me), Err(WireError::BadId { .. })), "a stage on a non-member");
+    let mut p = base.clone();
+    stages(&mut p)[1].node = "not a peer".into();
+    assert!(matches!(advert_from_proto(p, &me), Err(WireError::BadId { .. })));
+    let mut p = base.clone();
+    p.plan.as_mut().unwrap().epoch = None;
+    assert_eq!(advert_from_proto(p, &me), Err(WireError::Missing("plan.epoch")));
+    let mut p = base.clone();
+    p.plan.as_mut().unwrap().members.push(me.to_string());
+    assert!(matches!(advert_from_proto(p, &me), Err(WireError::Duplicate { .. })));
+    let mut p = base.clone();
+    p.wants[0].bytes_per_layer = u64::MAX;
+    assert!(matches!(advert_from_proto(p, &me), Err(WireError::OutOfRange { .. })), "total_bytes would overflow");
+    let mut p = base.clone();
+    p.wants[0].layers = MAX_LAYERS + 1;
+    assert!(matches!(advert_from_proto(p, &me), Err(WireError::BadLayers { .. })));
+    let mut p = base;
+    p.flops = f64::NAN;
+    assert!(matches!(advert_from_proto(p, &me), Err(WireError::OutOfRange { .. })));
+}
