@@ -11,7 +11,7 @@
 //!   queueing, cancellation, the cluster view and the embedded UI
 //! - pipeline: layer-range stages chained through wire-format hidden states equal one node
 //! - net: the libp2p swarm actor on loopback (static peers, no mDNS): mesh, adverts, RPCs,
-//!   cluster keys, malformed gossip, dead peers
+//!   cluster keys, malformed gossip, dead peers and silent links
 //! - simulator: seeded churn over the cluster state machines, invariants every step
 
 mod util;
