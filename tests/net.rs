@@ -2,7 +2,8 @@
 //! addresses, mDNS always off (tests never multicast on the host network). Each node runs an
 //! observer task that records what it sees, answers RPCs by echoing, and gossips its advert
 //! every 200 ms. Every wait has a deadline; measured figures are printed (`--nocapture`).
-//! A dead link is simulated by a TCP relay that goes silent (no FIN, no RST).
+//! A dead link is simulated by a TCP relay that goes silent (no FIN, no RST); QUIC is checked
+//! beside TCP (it is on only without a cluster key).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -80,11 +81,16 @@ fn echo(request: v1::ControlRequest) -> v1::ControlResponse {
     }
 }
 
-/// Starts a node on loopback with its observer, and waits for its listen address.
+/// Starts a node on loopback TCP with its observer, and waits for its listen address.
 async fn start(peers: Vec<Multiaddr>, cluster_key: Option<PreSharedKey>) -> Node {
+    start_with(loopback_config(peers, cluster_key)).await
+}
+
+/// Starts a node with its observer, and waits for its first listen address.
+async fn start_with(config: NetConfig) -> Node {
     let key = Keypair::generate_ed25519();
     let cancel = CancellationToken::new();
-    let (handle, mut events) = net::spawn(key, loopback_config(peers, cluster_key), cancel.clone()).expect("net starts");
+    let (handle, mut events) = net::spawn(key, config, cancel.clone()).expect("net starts");
     let addr = tokio::time::timeout(Duration::from_secs(2), async {
         loop {
             if let Some(NetEvent::Listening(addr)) = events.recv().await {
@@ -314,6 +320,28 @@ async fn a_killed_peer_is_disconnected_within_3s() {
     wait_until(Duration::from_secs(3), || a.seen(|s| s.disconnected_at.contains_key(&b.id()))).await.expect("Disconnected within 3 s");
     let took = a.seen(|s| s.disconnected_at[&b.id()]).duration_since(t);
     eprintln!("net: a killed peer was reported disconnected {took:?} after the kill");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_carries_adverts_and_requests_without_a_cluster_key() {
+    let quic_and_tcp = |peers| NetConfig {
+        listen: vec!["/ip4/127.0.0.1/udp/0/quic-v1".parse().unwrap(), "/ip4/127.0.0.1/tcp/0".parse().unwrap()],
+        ..loopback_config(peers, None)
+    };
+    let a = start_with(quic_and_tcp(vec![])).await;
+    let addrs = a.handle.listen_addrs().await.unwrap();
+    let quic = addrs.into_iter().find(|addr| addr.iter().any(|p| matches!(p, Protocol::QuicV1))).expect("a QUIC listen address");
+    let t = Instant::now();
+    let b = start_with(quic_and_tcp(vec![quic.with(Protocol::P2p(a.id()))])).await;
+    wait_until(Duration::from_secs(3), || a.seen(|s| s.connected.contains(&b.id()))).await.expect("connected over QUIC within 3 s");
+    let connected = a.seen(|s| s.connected_at[&b.id()]).duration_since(t);
+    wait_until(Duration::from_secs(3), || a.seen(|s| s.adverts.contains_key(&b.id()))).await.expect("an advert over QUIC within 3 s");
+    let rounds = 100;
+    let started = Instant::now();
+    for i in 0..rounds {
+        b.handle.request(a.id(), forward(i, tokens(&[2])), Duration::from_secs(2)).await.expect("a response over QUIC");
+    }
+    eprintln!("net: QUIC: connected {connected:?} after the dialler started, small request round trip {:?} (mean of {rounds})", started.elapsed() / rounds as u32);
 }
 
 /// A TCP relay to `target` that can go silent: while `cut`, it keeps every socket open but
