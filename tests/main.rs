@@ -12,6 +12,7 @@
 //! - pipeline: layer-range stages chained through wire-format hidden states equal one node
 //! - net: the libp2p swarm actor on loopback (static peers, no mDNS): mesh, adverts, RPCs,
 //!   cluster keys, malformed gossip, dead peers and silent links
+//! - swarm: real libp2p swarms on loopback run a pipeline across nodes and survive a lost stage
 //! - simulator: seeded churn over the cluster state machines, invariants every step
 
 mod util;
@@ -26,4 +27,5 @@ mod net;
 mod real_models;
 mod sharding;
 mod simulator;
+mod swarm;
 mod text;

@@ -7,3 +7,4 @@ pub mod cluster;
 pub mod engine;
 pub mod identity;
 pub mod net;
+pub mod swarm;

@@ -15,6 +15,7 @@ pub mod sampler;
 pub mod shard;
 pub mod spec;
 pub mod stage;
+pub mod stage_host;
 pub mod text;
 pub mod weights;
 

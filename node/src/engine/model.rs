@@ -68,6 +68,16 @@ impl ModelSource {
         }
     }
 
+    /// Bytes of weights per decoder layer (the largest layer), of the embedding table and of
+    /// the head (final norm plus LM head, or the embedding again when tied), from tensor headers.
+    pub fn footprint_bytes(&self) -> (u64, u64, u64) {
+        let layer_roles = [Role::AttnNorm, Role::Q, Role::K, Role::V, Role::O, Role::QBias, Role::KBias, Role::VBias, Role::QNorm, Role::KNorm, Role::PostAttnNorm, Role::FfnNorm, Role::PostFfnNorm, Role::Gate, Role::Up, Role::Down];
+        let per_layer = (0..self.spec.num_layers).map(|l| layer_roles.iter().map(|r| self.weights.stored_bytes(*r, l)).sum::<u64>()).max().unwrap_or(0);
+        let embedding = self.weights.stored_bytes(Role::Embed, 0);
+        let head = self.weights.stored_bytes(Role::FinalNorm, 0) + if self.weights.contains(Role::LmHead, 0) && !self.spec.tie_embeddings { self.weights.stored_bytes(Role::LmHead, 0) } else { embedding };
+        (per_layer, embedding, head)
+    }
+
     /// A short human name: the directory or file stem.
     pub fn name(&self) -> String {
         let p = if self.path.file_name().map(|n| n == "model.gguf").unwrap_or(false) { self.path.parent().unwrap_or(&self.path) } else { &self.path };

@@ -217,6 +217,19 @@ impl Weights {
         }
     }
 
+    /// Bytes a tensor occupies in its file (0 when absent), read from headers only.
+    pub fn stored_bytes(&self, role: Role, layer: usize) -> u64 {
+        let name = self.name(role, layer);
+        match self {
+            Weights::Safetensors { st, .. } => st.get(&name).map(|v| v.data().len() as u64).unwrap_or(0),
+            Weights::Gguf { content, .. } => content
+                .tensor_infos
+                .get(&name)
+                .map(|i| (i.shape.elem_count() / i.ggml_dtype.block_size() * i.ggml_dtype.type_size()) as u64)
+                .unwrap_or(0),
+        }
+    }
+
     fn read_qtensor(&self, name: &str, device: &Device) -> Result<QTensor> {
         match self {
             Weights::Gguf { path, content, .. } => {

@@ -1,0 +1,289 @@
+//! The coordinator actor: feeds connections and adverts from `net` into `ClusterState`,
+//! gossips our advert every `advert_every` (and at once when we publish a plan), persists the
+//! highest round, loads and unloads this node's stages as plans change (unchanged ranges keep
+//! their weights), answers inbound pipeline steps, and starts generations for the API.
+//! Its loop serves cancellation first, then commands, then network events, then the timer.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use libp2p::PeerId;
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio_util::sync::CancellationToken;
+
+use super::entry::{self, GenerateRequest, TokenEvent};
+use super::forward::{self, HopContext};
+use super::SwarmError;
+use crate::cluster::{ClusterConfig, ClusterEvent, ClusterState, Input, ModelFootprint, NodeAdvert, Output, Plan};
+use crate::engine::model::ModelSource;
+use crate::engine::stage_host::StageHost;
+use crate::engine::LayerRange;
+use crate::net::{NetEvent, NetHandle};
+
+pub struct SwarmConfig {
+    pub data_dir: PathBuf,
+    /// Our advert's figures (memory honours --memory-limit).
+    pub advert: NodeAdvert,
+    /// Model id → local file or directory this node can load stages from.
+    pub models: BTreeMap<String, PathBuf>,
+    pub cluster: ClusterConfig,
+    pub advert_every: Duration,
+    /// Deadline of one pipeline hop (a long prefill takes longer than a decode step).
+    pub hop_deadline: Duration,
+}
+
+/// What `/v1/cluster` shows.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ClusterSnapshot {
+    pub me: String,
+    pub leader: String,
+    pub members: Vec<NodeAdvert>,
+    pub plan: Option<Plan>,
+    pub rtt_ms: BTreeMap<String, f64>,
+}
+
+enum Command {
+    Generate { request: GenerateRequest, events: mpsc::Sender<TokenEvent> },
+    Want { model: String, reply: oneshot::Sender<Result<(), SwarmError>> },
+    Snapshot { reply: oneshot::Sender<ClusterSnapshot> },
+}
+
+/// Cloneable access to the coordinator; when every handle is dropped it shuts down.
+#[derive(Clone)]
+pub struct SwarmHandle {
+    /// Commands to the coordinator loop; a closed channel means it has stopped.
+    commands: mpsc::Sender<Command>,
+}
+
+impl SwarmHandle {
+    /// Starts a generation; tokens (then `Done` or `Error`) arrive on the returned channel.
+    /// Dropping the receiver cancels the generation at its next step.
+    pub async fn generate(&self, request: GenerateRequest) -> Result<mpsc::Receiver<TokenEvent>, SwarmError> {
+        let (events, rx) = mpsc::channel(64);
+        self.commands.send(Command::Generate { request, events }).await.map_err(|_| SwarmError::ShutDown)?;
+        Ok(rx)
+    }
+
+    /// Asks the leader to place a local model (gossiped until a plan holds it).
+    pub async fn want(&self, model: &str) -> Result<(), SwarmError> {
+        let (reply, rx) = oneshot::channel();
+        self.commands.send(Command::Want { model: model.to_string(), reply }).await.map_err(|_| SwarmError::ShutDown)?;
+        rx.await.map_err(|_| SwarmError::ShutDown)?
+    }
+
+    pub async fn snapshot(&self) -> Result<ClusterSnapshot, SwarmError> {
+        let (reply, rx) = oneshot::channel();
+        self.commands.send(Command::Snapshot { reply }).await.map_err(|_| SwarmError::ShutDown)?;
+        rx.await.map_err(|_| SwarmError::ShutDown)
+    }
+}
+
+/// Starts the coordinator on the current tokio runtime.
+pub fn spawn(config: SwarmConfig, net: NetHandle, mut net_events: mpsc::Receiver<NetEvent>, cancel: CancellationToken) -> SwarmHandle {
+    let (commands, mut inbox) = mpsc::channel::<Command>(64);
+    let highest_round = crate::net::round::load_highest_round(&config.data_dir).unwrap_or(0);
+    let state = ClusterState::new(config.advert.clone(), config.cluster, highest_round);
+    // The plan in force, read by pipeline tasks without a round trip through the loop.
+    let (plan_tx, plan_rx) = watch::channel::<Option<Arc<Plan>>>(None);
+    let hop = HopContext { me: config.advert.id.clone(), net: net.clone(), stages: StageHost::spawn(), plan: plan_rx, hop_deadline: config.hop_deadline };
+    let mut actor = Coordinator { config, state, net, hop, plan_tx, loaded: HashMap::new(), rtt: BTreeMap::new(), started: Instant::now(), persisted_round: highest_round };
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval(actor.config.advert_every);
+        loop {
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => break,
+                command = inbox.recv() => match command {
+                    Some(c) => actor.command(c),
+                    None => break,
+                },
+                event = net_events.recv() => match event {
+                    Some(e) => actor.net_event(e),
+                    None => break,
+                },
+                _ = ticker.tick() => {
+                    actor.input(Input::Tick);
+                    actor.publish_advert();
+                }
+            }
+        }
+    });
+    SwarmHandle { commands }
+}
+
+struct Coordinator {
+    config: SwarmConfig,
+    state: ClusterState,
+    net: NetHandle,
+    hop: HopContext,
+    /// Publishes each new plan in force to pipeline tasks (`HopContext::plan`).
+    plan_tx: watch::Sender<Option<Arc<Plan>>>,
+    /// The range loaded (or loading) per model on this node.
+    loaded: HashMap<String, LayerRange>,
+    rtt: BTreeMap<String, f64>,
+    started: Instant,
+    persisted_round: u64,
+}
+
+impl Coordinator {
+    fn now(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    fn command(&mut self, command: Command) {
+        match command {
+            Command::Generate { request, events } => {
+                let footprint = self.footprint(&request.model);
+                if let Ok(fp) = &footprint {
+                    let now = self.now();
+                    let out = self.state.want(fp.clone(), now);
+                    self.outputs(out);
+                }
+                let hop = self.hop.clone();
+                tokio::spawn(async move {
+                    match footprint {
+                        Ok(_) => entry::run(hop, request, events).await,
+                        Err(e) => {
+                            let _ = events.send(TokenEvent::Error(e.to_string())).await;
+                        }
+                    }
+                });
+            }
+            Command::Want { model, reply } => {
+                let result = self.footprint(&model).map(|fp| {
+                    let now = self.now();
+                    let out = self.state.want(fp, now);
+                    self.outputs(out);
+                });
+                let _ = reply.send(result);
+            }
+            Command::Snapshot { reply } => {
+                let members = self.state.alive().iter().filter_map(|id| self.state.advert_of(id).cloned()).collect();
+                let _ = reply.send(ClusterSnapshot {
+                    me: self.state.id().clone(),
+                    leader: self.state.leader().clone(),
+                    members,
+                    plan: self.state.plan().cloned(),
+                    rtt_ms: self.rtt.clone(),
+                });
+            }
+        }
+    }
+
+    fn footprint(&self, model: &str) -> Result<ModelFootprint, SwarmError> {
+        let path = self.config.models.get(model).ok_or_else(|| SwarmError::UnknownModel(model.to_string()))?;
+        let source = ModelSource::open(path).map_err(|e| SwarmError::Model { model: model.to_string(), reason: e.to_string() })?;
+        let (bytes_per_layer, embedding_bytes, head_bytes) = source.footprint_bytes();
+        Ok(ModelFootprint { model: model.to_string(), layers: source.spec.num_layers, bytes_per_layer, embedding_bytes, head_bytes })
+    }
+
+    fn net_event(&mut self, event: NetEvent) {
+        match event {
+            NetEvent::Connected(peer) => self.input(Input::Connected(peer.to_string())),
+            NetEvent::Disconnected(peer) => {
+                self.rtt.remove(&peer.to_string());
+                self.input(Input::Disconnected(peer.to_string()))
+            }
+            NetEvent::Advert { advert, .. } => self.input(Input::Advert(advert)),
+            NetEvent::Rtt { peer, rtt } => {
+                self.rtt.insert(peer.to_string(), rtt.as_secs_f64() * 1e3);
+            }
+            NetEvent::Request { request, reply, .. } => {
+                let hop = self.hop.clone();
+                tokio::spawn(async move {
+                    let _ = reply.send(forward::serve(&hop, request).await);
+                });
+            }
+            NetEvent::Listening(_) => {}
+        }
+    }
+
+    fn input(&mut self, input: Input) {
+        let now = self.now();
+        let out = self.state.handle(input, now);
+        self.outputs(out);
+    }
+
+    fn outputs(&mut self, out: Vec<Output>) {
+        let mut published = false;
+        for o in out {
+            match o {
+                Output::Publish(plan) => {
+                    tracing::info!(target: "shoal::cluster", event = "plan_published", round = plan.epoch.round, leader = %plan.epoch.leader, members = plan.members.len());
+                    published = true;
+                }
+                Output::Event(ClusterEvent::MemberJoined(id)) => tracing::info!(target: "shoal::cluster", event = "member_joined", node = %id),
+                Output::Event(ClusterEvent::MemberLeft(id)) => tracing::info!(target: "shoal::cluster", event = "member_left", node = %id),
+                Output::Event(ClusterEvent::LeaderChanged(id)) => tracing::info!(target: "shoal::cluster", event = "leader_changed", leader = %id),
+                Output::Event(ClusterEvent::PlanAccepted(e)) => tracing::info!(target: "shoal::cluster", event = "plan_accepted", round = e.round, leader = %e.leader),
+                Output::Event(ClusterEvent::PlanRefused { epoch, reason }) => tracing::debug!(target: "shoal::cluster", event = "plan_refused", round = epoch.round, reason),
+            }
+        }
+        let round = self.state.highest_round();
+        if round > self.persisted_round {
+            // Persist before gossiping: a restarted leader must never reuse a round.
+            if let Err(e) = crate::net::round::store_highest_round(&self.config.data_dir, round) {
+                tracing::warn!(target: "shoal::cluster", "cannot persist the cluster round: {e}");
+            }
+            self.persisted_round = round;
+        }
+        self.apply_plan();
+        if published {
+            self.publish_advert();
+        }
+    }
+
+    /// Loads the stages the plan in force gives this node and drops the others.
+    fn apply_plan(&mut self) {
+        let plan = self.state.plan().cloned();
+        let changed = self.plan_tx.borrow().as_deref() != plan.as_ref();
+        if !changed {
+            return;
+        }
+        let mut mine: HashMap<String, LayerRange> = HashMap::new();
+        if let Some(plan) = &plan {
+            for (model, placement) in &plan.placements {
+                if let Some(stage) = placement.as_ref().ok().and_then(|p| p.stages.iter().find(|s| s.node == *self.state.id())) {
+                    mine.insert(model.clone(), LayerRange::new(stage.start, stage.end));
+                }
+            }
+        }
+        for (model, range) in &mine {
+            if self.loaded.get(model) == Some(range) {
+                continue;
+            }
+            let Some(path) = self.config.models.get(model).cloned() else {
+                tracing::warn!(target: "shoal::cluster", %model, "the plan gives this node a stage of a model it does not have");
+                continue;
+            };
+            let label = model.clone();
+            self.hop.stages.load(model.clone(), path, *range, Box::new(move |r| {
+                if let Err(e) = r {
+                    tracing::warn!(target: "shoal::cluster", model = %label, "loading a stage failed: {e}");
+                }
+            }));
+            self.loaded.insert(model.clone(), *range);
+        }
+        let gone: Vec<String> = self.loaded.keys().filter(|m| !mine.contains_key(*m)).cloned().collect();
+        for model in gone {
+            self.hop.stages.unload(model.clone());
+            self.loaded.remove(&model);
+        }
+        self.plan_tx.send_replace(plan.map(Arc::new));
+    }
+
+    fn publish_advert(&self) {
+        let advert = self.state.advert();
+        let net = self.net.clone();
+        tokio::spawn(async move {
+            // Publishing fails harmlessly while no peer is subscribed yet.
+            let _ = net.publish_advert(&advert).await;
+        });
+    }
+}
+
+pub(super) fn peer_of(node: &str) -> Option<PeerId> {
+    node.parse().ok()
+}
