@@ -9,6 +9,8 @@
 //! - text: chat templates, stop tokens, sampling determinism
 //! - api: `shoal serve` over HTTP with the OpenAI SDK, curl and reqwest: streaming, errors,
 //!   queueing, cancellation, the cluster view and the embedded UI
+//! - ui: the web UI in headless chromium against a real `shoal serve` (tests/browser/chat.mjs)
+//! - launchers: the macOS bundle, .command and Linux .desktop from scripts/make-launchers.sh, run
 //! - pipeline: layer-range stages chained through wire-format hidden states equal one node
 //! - net: the libp2p swarm actor on loopback (static peers, no mDNS): mesh, adverts, RPCs,
 //!   cluster keys, malformed gossip, dead peers and silent links
@@ -23,9 +25,11 @@ mod fidelity;
 mod gguf_quant;
 mod gguf_tokenizer;
 mod pipeline;
+mod launchers;
 mod net;
 mod real_models;
 mod sharding;
 mod simulator;
 mod swarm;
 mod text;
+mod ui;

@@ -137,8 +137,9 @@ try {
   summary.partialLengths = partials.map((p) => p.len).slice(0, 40);
   // Partials were recorded as textContent; compare like with like.
   const finalLen = await reply.getByTestId('message-content').evaluate((n) => n.textContent.length);
+  // (A partial may be longer than the final text: half a closing ``` shows until the rest arrives.)
   const shorter = partials.filter((p) => p.len < finalLen).length;
-  check('at least two streamed updates before the final one', shorter >= 2 && partials.every((p) => p.len <= finalLen),
+  check('at least two streamed updates before the final one', shorter >= 2,
     { partials: partials.length, shorterThanFinal: shorter, first: partials[0] && partials[0].len, final: finalLen });
   const rendered = await reply.getByTestId('message-content').evaluate((n) => ({
     elements: Array.from(n.querySelectorAll('*')).map((e) => e.tagName.toLowerCase()),
