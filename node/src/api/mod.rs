@@ -109,7 +109,7 @@ impl App {
         let local = tokio::task::spawn_blocking(move || app.catalogue.scan()).await.unwrap_or_default();
         match local.iter().find(|m| m.id == name) {
             Some(m) if current.is_some_and(|c| c.path == m.path) => Ok(current.cloned().unwrap_or_else(|| m.clone())),
-            Some(m) => self.check_fits(m, &state).map(|_| m.clone()),
+            Some(m) => self.check_fits(m).map(|_| m.clone()),
             None => {
                 let mut ids: Vec<&str> = current.iter().map(|m| m.id.as_str()).chain(local.iter().map(|m| m.id.as_str())).collect();
                 ids.dedup();
@@ -147,7 +147,7 @@ impl Server {
         let addresses = tokio::task::spawn_blocking(move || node_view::listen_addresses(bound)).await.unwrap_or_else(|_| vec![bound.to_string()]);
         let app = Arc::new(App { node, config, scheduler, catalogue, metrics, machine, addresses });
         if let Some(model) = preload {
-            app.check_fits(&model, &app.scheduler.state()).map_err(ServeError::TooLarge)?;
+            app.check_fits(&model).map_err(ServeError::TooLarge)?;
             app.scheduler.load(model);
         }
         Ok(Server { listener, app, scheduler_task, scheduler_token })

@@ -38,15 +38,17 @@ pub fn offered_memory(limit: Option<u64>, loaded_bytes: u64) -> (u64, u64) {
 }
 
 impl App {
-    /// Whether `model` can be loaded here: loading replaces the loaded model, whose memory comes back.
-    pub(super) fn check_fits(&self, model: &LocalModel, state: &SchedulerState) -> Result<(), ApiError> {
-        let offered = self.room_for_a_model(state);
-        if model.size_bytes > offered {
-            return Err(ApiError::ModelTooLarge { model: model.id.clone(), size: model.size_bytes, offered });
+    /// Refuses a model larger than the memory this node may ever offer (`--memory-limit`, or
+    /// the machine's RAM). Less free memory right now only makes `fits` false: a user may load anyway.
+    pub(super) fn check_fits(&self, model: &LocalModel) -> Result<(), ApiError> {
+        let (total, _) = offered_memory(self.config.memory_limit, 0);
+        if model.size_bytes > total {
+            return Err(ApiError::ModelTooLarge { model: model.id.clone(), size: model.size_bytes, offered: total });
         }
         Ok(())
     }
 
+    /// Memory a model could have now: loading replaces the loaded model, whose memory comes back.
     fn room_for_a_model(&self, state: &SchedulerState) -> u64 {
         let loaded = state.loaded.as_ref().map_or(0, |l| l.model.size_bytes);
         let (total, available) = offered_memory(self.config.memory_limit, loaded);
