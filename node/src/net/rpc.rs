@@ -6,7 +6,7 @@
 use shoal_proto::v1::{self, control_request, control_response, forward_request, forward_response};
 use shoal_proto::WIRE_VERSION;
 
-use super::wire::{WireError, MAX_HIDDEN_SIZE, MAX_STRING_BYTES};
+use super::wire::{check_len, WireError, MAX_ERROR_BYTES, MAX_HIDDEN_SIZE, MAX_STRING_BYTES};
 
 /// Checks an inbound request before the application sees it.
 pub fn check_request(request: &v1::ControlRequest) -> Result<(), WireError> {
@@ -32,11 +32,11 @@ pub fn check_response(response: &v1::ControlResponse) -> Result<(), WireError> {
             match forward.output.as_ref().ok_or(WireError::Missing("forward.output"))? {
                 forward_response::Output::Hidden(hidden) => check_hidden(hidden),
                 forward_response::Output::Token(_) => Ok(()),
-                forward_response::Output::Error(e) => check_text("forward.error.message", &e.message),
+                forward_response::Output::Error(e) => check_len("forward.error.message", &e.message, MAX_ERROR_BYTES),
             }
         }
         control_response::Body::Released(_) => Ok(()),
-        control_response::Body::Error(e) => check_text("response.error.message", &e.message),
+        control_response::Body::Error(e) => check_len("response.error.message", &e.message, MAX_ERROR_BYTES),
     }
 }
 
@@ -44,24 +44,13 @@ fn check_forward_request(forward: &v1::ForwardRequest) -> Result<(), WireError> 
     if forward.version != WIRE_VERSION {
         return Err(WireError::Version { got: forward.version });
     }
-    if forward.model.len() > MAX_STRING_BYTES {
-        return Err(WireError::TooLong { field: "forward.model", len: forward.model.len(), max: MAX_STRING_BYTES });
-    }
-    if forward.epoch_leader.len() > MAX_STRING_BYTES {
-        return Err(WireError::TooLong { field: "forward.epoch_leader", len: forward.epoch_leader.len(), max: MAX_STRING_BYTES });
-    }
+    check_len("forward.model", &forward.model, MAX_STRING_BYTES)?;
+    check_len("forward.epoch_leader", &forward.epoch_leader, MAX_STRING_BYTES)?;
     match forward.input.as_ref().ok_or(WireError::Missing("forward.input"))? {
         forward_request::Input::Tokens(tokens) if tokens.ids.is_empty() => Err(WireError::Missing("forward.input.tokens")),
         forward_request::Input::Tokens(_) => Ok(()),
         forward_request::Input::Hidden(hidden) => check_hidden(hidden),
     }
-}
-
-fn check_text(field: &'static str, text: &str) -> Result<(), WireError> {
-    if text.len() > super::wire::MAX_ERROR_BYTES {
-        return Err(WireError::TooLong { field, len: text.len(), max: super::wire::MAX_ERROR_BYTES });
-    }
-    Ok(())
 }
 
 /// Rows x hidden_size little-endian f32 values, no more and no fewer, at least one row.

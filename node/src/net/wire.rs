@@ -68,7 +68,7 @@ pub enum WireError {
     HiddenShape { rows: u32, hidden_size: u32, bytes: usize },
 }
 
-fn check_len(field: &'static str, s: &str, max: usize) -> Result<(), WireError> {
+pub(super) fn check_len(field: &'static str, s: &str, max: usize) -> Result<(), WireError> {
     if s.len() > max {
         return Err(WireError::TooLong { field, len: s.len(), max });
     }
