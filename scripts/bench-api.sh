@@ -3,7 +3,10 @@
 # and greedy settings through `shoal run` (engine only) and through `shoal serve` (a streamed
 # /v1/completions read by a Python client as it arrives), runs interleaved, medians printed
 # with the API/run ratios. Usage: scripts/bench-api.sh [model id] [runs] [max tokens]
-# It measures one machine as it is: on a shared machine, other load shows up as noise.
+# It measures one machine as it is: on a shared machine, other load shows up as noise, so the
+# last line pairs each API run with serve's own engine figures for that same generation: that
+# difference is the API's cost. `shoal run` is a fresh process each time, so its first prefill
+# also pays the first touch of the memory-mapped weights, which a warm server does not.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model="${1:-gemma3-270m}"
