@@ -1,7 +1,8 @@
 //! The HTTP API against real `shoal` processes and real models, through real clients: the
 //! official OpenAI Python SDK, `curl -N` for raw SSE, and reqwest. Covers streamed and whole
 //! chat and completions, usage, models, the cluster view, errors, the API key, concurrency,
-//! the bounded queue, cancellation on disconnect, the embedded UI and shutdown on SIGTERM.
+//! the bounded queue and its deadline, switching models, cancellation on disconnect, the
+//! embedded UI and shutdown on SIGTERM.
 
 mod fixture;
 
@@ -300,4 +301,37 @@ fn sigterm_ends_open_streams_and_exits_cleanly() {
     assert_eq!(error["error"]["code"], "shutting_down", "{body}");
     let status = node.wait_exit(Duration::from_secs(10));
     assert!(status.success(), "exit status {status}; stderr:\n{}", node.stderr());
+}
+
+#[test]
+fn a_request_that_waits_past_its_deadline_gets_503() {
+    let node = Node::start(&["serve", "--model", &gemma_path(), "--queue-timeout", "2"]);
+    block_on(async {
+        let client = reqwest::Client::new();
+        let mut running = client.post(node.url("/v1/completions")).body(long_completion(true)).send().await.unwrap();
+        running.chunk().await.unwrap().expect("the first request is generating");
+        let started = Instant::now();
+        let expired = client.post(node.url("/v1/completions")).body(long_completion(false)).send().await.unwrap();
+        assert_eq!(expired.status(), 503);
+        assert!(expired.headers().contains_key("retry-after"));
+        assert!(started.elapsed() >= Duration::from_secs(2) && started.elapsed() < Duration::from_secs(20), "{:?}", started.elapsed());
+        let e: Value = expired.json().await.unwrap();
+        assert_eq!(e["error"]["code"], "queue_timeout", "{e}");
+        assert_eq!(node.metric("shoal_queue_expired_total"), 1.0);
+    });
+}
+
+#[test]
+fn a_request_naming_another_local_model_switches_to_it() {
+    let node = Node::start(&["serve", "--model", &gemma_path()]);
+    for (model, layers) in [(QWEN, 28), (GEMMA, 18)] {
+        let (status, r) = block_on(post(&node.url("/v1/completions"), &json!({"model": model, "prompt": "def add(a, b):", "max_tokens": 3, "temperature": 0}).to_string()));
+        assert_eq!((status, r["model"].as_str()), (200, Some(model)), "{r}");
+        let (_, c) = block_on(get(&node.url("/v1/cluster")));
+        assert_eq!(c["nodes"][0]["models"], json!([model]), "one model at a time: {c}");
+        assert_eq!(c["plans"][0]["stages"][0]["end"], layers, "{c}");
+    }
+    // Asking to load the model that is loaded is a no-op.
+    let (status, r) = block_on(post(&node.url("/v1/models/load"), &json!({"model": GEMMA}).to_string()));
+    assert_eq!((status, r["status"].as_str()), (200, Some("loaded")), "{r}");
 }
