@@ -81,7 +81,9 @@ impl ModelSource {
     /// A short human name: the directory or file stem.
     pub fn name(&self) -> String {
         let p = if self.path.file_name().map(|n| n == "model.gguf").unwrap_or(false) { self.path.parent().unwrap_or(&self.path) } else { &self.path };
-        p.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
+        // A directory's whole name is the id (`qwen2.5-coder-1.5b`); only files lose their extension.
+        let name = if p.is_dir() { p.file_name() } else { p.file_stem() };
+        name.map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
     }
 }
 
