@@ -3,7 +3,8 @@
 //! when present, and parsed here), and the launcher script actually run: the desktop entry's
 //! Exec starts a real `shoal serve` on loopback and "opens" the UI through a stub xdg-open on
 //! PATH; the .app's and .command's scripts run the same way with a stub `uname` saying Darwin
-//! and a stub `open`. Nothing here runs on a Mac (Finder, Terminal, Gatekeeper are untested).
+//! and a stub `open`; a node that fails to start is reported, not waited for. Nothing here
+//! runs on a Mac (Finder, Terminal, Gatekeeper are untested).
 
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
@@ -326,4 +327,25 @@ fn macos_app_and_command_scripts_under_a_stub_darwin() {
     assert!(fg.0.try_wait().expect("try_wait").is_none(), "the .command keeps the node in the foreground");
     drop(fg);
     assert!(wait_down(sb.port, Duration::from_secs(15)), "ending the .command ends the node");
+}
+
+#[test]
+fn launcher_reports_a_node_that_fails_to_start() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let out = tmp.path().join("launchers");
+    make_launchers(&out);
+    let sb = Sandbox::new(&[("xdg-open", r#"echo "$1" >> "$OPENED""#)]);
+    // The real shoal, given a flag it does not know, exits at once.
+    let mut cmd = sb.command(&out.join("shoal-launcher"));
+    cmd.env("SHOAL_ARGS", "--host 127.0.0.1 --no-such-flag").stdout(Stdio::piped()).stderr(Stdio::piped());
+    let started = Instant::now();
+    let mut child = cmd.spawn().expect("launcher starts");
+    let status = wait_with_deadline(&mut child, Duration::from_secs(30)).expect("the launcher gives up quickly");
+    let output = child.wait_with_output().expect("launcher output");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!status.success(), "the launcher reports failure; stderr: {stderr}");
+    assert!(started.elapsed() < Duration::from_secs(20), "it noticed the exit, not the health timeout");
+    assert!(stderr.contains("stopped at start") && stderr.contains("--no-such-flag"), "stderr names the cause: {stderr}");
+    assert!(sb.opened().is_empty(), "no browser was opened");
+    assert!(!sb.home().join(format!(".local/state/shoal/shoal-{}.pid", sb.port)).exists(), "no pid file is left");
 }

@@ -137,7 +137,8 @@ mkdir -p "$STATE" || fail "cannot create $STATE"
 
 if [ "$MODE" = foreground ]; then
     echo "Starting $SHOAL serve on port $PORT; the UI opens at $URL when it is up. Ctrl+C stops it."
-    ( wait_healthy "" && open_url "$URL" ) &
+    # $$ is this shell's pid, which shoal keeps after the exec: the waiter ends if shoal does.
+    ( wait_healthy "$$" && open_url "$URL" ) &
     # shellcheck disable=SC2086 # SHOAL_ARGS is split on purpose
     exec "$SHOAL" serve --api-port "$PORT" ${SHOAL_ARGS:-}
 fi
@@ -148,9 +149,12 @@ pid=$!
 echo "$pid" >"$PIDFILE"
 if ! wait_healthy "$pid"; then
     tail_of_log="$(tail -n 5 "$LOG" 2>/dev/null | tr '\n' ' ')"
-    kill "$pid" 2>/dev/null
     rm -f "$PIDFILE"
-    fail "shoal did not answer on $URL within ${HEALTH_TIMEOUT}s (log: $LOG): $tail_of_log"
+    if kill -0 "$pid" 2>/dev/null; then
+        kill "$pid" 2>/dev/null
+        fail "shoal did not answer on $URL within ${HEALTH_TIMEOUT}s (log: $LOG): $tail_of_log"
+    fi
+    fail "shoal stopped at start (log: $LOG): $tail_of_log"
 fi
 open_url "$URL"
 exit 0
