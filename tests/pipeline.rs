@@ -5,25 +5,12 @@
 use std::time::Duration;
 
 use candle_core::Device;
-use shoal::engine::generate::{generate, Prompt};
+use shoal::engine::generate::Prompt;
 use shoal::engine::model::ModelSource;
 use shoal::engine::stage::{StageService, Step, StepInput, StepOutput};
-use shoal::engine::{GenerationEvent, GenerationRequest, LayerRange, LoadOptions, LoadedModel, SamplingParams};
+use shoal::engine::{LayerRange, LoadOptions, LoadedModel, SamplingParams};
 
-use crate::util::real_model;
-
-fn single_node(model: &LoadedModel, prompt: &[u32], sampling: &SamplingParams, n: usize) -> Vec<u32> {
-    let req = GenerationRequest { prompt: Prompt::Tokens(prompt.to_vec()), sampling: sampling.clone(), max_tokens: Some(n), stop: vec![] };
-    let mut ids = Vec::new();
-    generate(model, &req, &mut |e| {
-        if let GenerationEvent::Token { id, .. } = e {
-            ids.push(id);
-        }
-        true
-    })
-    .expect("single-node generation");
-    ids
-}
+use crate::util::{generate_ids, real_model};
 
 /// Drives `stages` the way an entry node does: prefill, then one token at a time.
 fn pipelined(stages: &mut [StageService], request_id: u64, prompt: &[u32], sampling: &SamplingParams, n: usize) -> Vec<u32> {
@@ -69,7 +56,7 @@ fn gemma3_two_and_three_stages_equal_one_node() {
     let greedy = SamplingParams::greedy();
     let sampled = SamplingParams { temperature: 0.9, top_k: Some(40), top_p: 0.95, repetition_penalty: 1.1, seed: Some(7), ..Default::default() };
     for params in [&greedy, &sampled] {
-        let expected = single_node(&model, &prompt, params, 12);
+        let expected = generate_ids(&model, Prompt::Tokens(prompt.clone()), params, 12);
         assert_eq!(pipelined(&mut stages(&path, &[0, 9, 18]), 1, &prompt, params, 12), expected, "two stages differ ({params:?})");
         assert_eq!(pipelined(&mut stages(&path, &[0, 5, 11, 18]), 2, &prompt, params, 12), expected, "three stages differ ({params:?})");
     }
@@ -80,7 +67,7 @@ fn qwen25_three_stages_equal_one_node() {
     let path = real_model("qwen2.5-coder-1.5b").join("model.gguf");
     let model = LoadedModel::load(&path, &LoadOptions::default()).expect("loads");
     let prompt = model.text.encode_prompt("def fibonacci(n):").unwrap();
-    let expected = single_node(&model, &prompt, &SamplingParams::greedy(), 10);
+    let expected = generate_ids(&model, Prompt::Tokens(prompt.clone()), &SamplingParams::greedy(), 10);
     assert_eq!(pipelined(&mut stages(&path, &[0, 10, 19, 28]), 3, &prompt, &SamplingParams::greedy(), 10), expected);
 }
 

@@ -8,12 +8,12 @@
 use std::time::Duration;
 
 use serde::Deserialize;
-use shoal::engine::generate::{generate, Prompt};
+use shoal::engine::generate::Prompt;
 use shoal::engine::text::ChatMessage;
 use shoal::engine::sampler::argmax;
-use shoal::engine::{GenerationEvent, GenerationRequest, LoadOptions, LoadedModel, SamplingParams, ShardInput, ShardOutput};
+use shoal::engine::{LoadOptions, LoadedModel, SamplingParams, ShardInput, ShardOutput};
 
-use crate::util::{real_model, repo_root, run_shoal};
+use crate::util::{generate_ids, real_model, repo_root, run_shoal};
 
 /// One case of `tests/fixtures/llamacpp/greedy.json` (made by `scripts/llamacpp-reference.sh`).
 #[derive(Deserialize)]
@@ -37,19 +37,6 @@ fn cases(model: &str) -> Vec<LlamaCppCase> {
     let text = std::fs::read_to_string(repo_root().join("tests/fixtures/llamacpp/greedy.json")).expect("greedy.json");
     let all: Vec<LlamaCppCase> = serde_json::from_str(&text).expect("greedy.json parses");
     all.into_iter().filter(|c| c.model == model).collect()
-}
-
-fn greedy_ids(model: &LoadedModel, prompt: Prompt, n: usize) -> Vec<u32> {
-    let req = GenerationRequest { prompt, sampling: SamplingParams::greedy(), max_tokens: Some(n), stop: vec![] };
-    let mut ids = Vec::new();
-    generate(model, &req, &mut |e| {
-        if let GenerationEvent::Token { id, .. } = e {
-            ids.push(id);
-        }
-        true
-    })
-    .expect("generation succeeds");
-    ids
 }
 
 /// Feeds `prompt` then `forced` through the model; returns our logits before each forced token.
@@ -94,7 +81,7 @@ fn agrees_with_llama_cpp(id: &str) {
                 first_tie.get_or_insert(step);
             }
         }
-        let free = greedy_ids(&model, prompt, AGREE_TOKENS);
+        let free = generate_ids(&model, prompt, &SamplingParams::greedy(), AGREE_TOKENS);
         let must_agree = first_tie.unwrap_or(AGREE_TOKENS).min(AGREE_TOKENS);
         assert_eq!(free[..must_agree], case.generated_ids[..must_agree], "{id}: greedy output for {:?} differs from llama.cpp", case.prompt);
     }

@@ -10,13 +10,13 @@ use std::time::Duration;
 use libp2p::identity::Keypair;
 use libp2p::Multiaddr;
 use shoal::cluster::{ClusterConfig, NodeAdvert, Strategy};
-use shoal::engine::generate::{generate, Prompt};
-use shoal::engine::{GenerationEvent, GenerationRequest, LoadOptions, LoadedModel, SamplingParams};
+use shoal::engine::generate::Prompt;
+use shoal::engine::{LoadOptions, LoadedModel, SamplingParams};
 use shoal::net::{NetConfig, NetTimers};
 use shoal::swarm::{self, GenerateRequest, SwarmConfig, SwarmHandle, TokenEvent};
 use tokio_util::sync::CancellationToken;
 
-use crate::util::real_model;
+use crate::util::{generate_ids, real_model};
 
 const MB: u64 = 1_000_000;
 const MODEL: &str = "gemma3-270m";
@@ -81,22 +81,12 @@ async fn start_swarm(model: &Path) -> Vec<TestNode> {
     nodes
 }
 
-fn single_node_tokens(path: &Path, prompt: &[u32], n: usize) -> Vec<u32> {
+/// The prompt's ids and one node's greedy continuation of `n` tokens, from one load.
+fn single_node_reference(path: &Path, n: usize) -> (Vec<u32>, Vec<u32>) {
     let model = LoadedModel::load(path, &LoadOptions::default()).expect("loads");
-    let req = GenerationRequest { prompt: Prompt::Tokens(prompt.to_vec()), sampling: SamplingParams::greedy(), max_tokens: Some(n), stop: vec![] };
-    let mut ids = Vec::new();
-    generate(&model, &req, &mut |e| {
-        if let GenerationEvent::Token { id, .. } = e {
-            ids.push(id);
-        }
-        true
-    })
-    .expect("generates");
-    ids
-}
-
-fn prompt_ids(path: &Path) -> Vec<u32> {
-    LoadedModel::load(path, &LoadOptions::default()).unwrap().text.encode_prompt("Once upon a time").unwrap()
+    let prompt = model.text.encode_prompt("Once upon a time").unwrap();
+    let expected = generate_ids(&model, Prompt::Tokens(prompt.clone()), &SamplingParams::greedy(), n);
+    (prompt, expected)
 }
 
 fn request(prompt: &[u32], n: usize) -> GenerateRequest {
@@ -130,8 +120,7 @@ async fn agreed_pipeline(nodes: &[TestNode]) -> swarm::ClusterSnapshot {
 #[test]
 fn pipeline_across_three_nodes_equals_one_node() {
     let path = real_model(MODEL).join("model.gguf");
-    let prompt = prompt_ids(&path);
-    let expected = single_node_tokens(&path, &prompt, 16);
+    let (prompt, expected) = single_node_reference(&path, 16);
     runtime().block_on(async {
         let nodes = start_swarm(&path).await;
         nodes[0].handle.want(MODEL).await.expect("the entry node has the model file");
@@ -166,8 +155,7 @@ fn pipeline_across_three_nodes_equals_one_node() {
 #[test]
 fn a_middle_stage_lost_mid_stream_is_replaced_and_the_stream_continues() {
     let path = real_model(MODEL).join("model.gguf");
-    let prompt = prompt_ids(&path);
-    let expected = single_node_tokens(&path, &prompt, 24);
+    let (prompt, expected) = single_node_reference(&path, 24);
     runtime().block_on(async {
         let nodes = start_swarm(&path).await;
         nodes[0].handle.want(MODEL).await.unwrap();

@@ -6,6 +6,8 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use serde::Deserialize;
+use shoal::engine::generate::{generate, Prompt};
+use shoal::engine::{GenerationEvent, GenerationRequest, LoadedModel, SamplingParams};
 
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("node/ has a parent").to_path_buf()
@@ -69,4 +71,18 @@ pub fn run_shoal(args: &[&str], deadline: Duration) -> Output {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Token ids `model` generates on one node for `prompt` (at most `n`, no stop strings).
+pub fn generate_ids(model: &LoadedModel, prompt: Prompt, sampling: &SamplingParams, n: usize) -> Vec<u32> {
+    let req = GenerationRequest { prompt, sampling: sampling.clone(), max_tokens: Some(n), stop: vec![] };
+    let mut ids = Vec::new();
+    generate(model, &req, &mut |e| {
+        if let GenerationEvent::Token { id, .. } = e {
+            ids.push(id);
+        }
+        true
+    })
+    .expect("single-node generation");
+    ids
 }

@@ -171,11 +171,6 @@ impl ClusterState {
         placement.stages.iter().find(|s| s.node == self.me.id)
     }
 
-    /// Whether work stamped with `epoch` may be served here (only the plan in force).
-    pub fn serves_epoch(&self, epoch: &Epoch) -> bool {
-        self.plan.as_ref().is_some_and(|p| &p.epoch == epoch)
-    }
-
     pub fn handle(&mut self, input: Input, now: Millis) -> Vec<Output> {
         let mut out = Vec::new();
         match input {

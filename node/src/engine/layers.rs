@@ -3,7 +3,7 @@
 //! Blocks are built from a `ModelSpec` and a `Weights` source; they hold no KV state.
 
 use candle_core::quantized::QMatMul;
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{Device, Module, Tensor};
 
 use super::cache::LayerCache;
 use super::spec::{Activation, ModelSpec, Rope, RopeStyle};
@@ -212,7 +212,6 @@ impl Mlp {
 /// One transformer block: pre-norm attention and MLP with residuals, plus Gemma's sandwich norms.
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
-    pub index: usize,
     attn_norm: RmsNorm,
     attn: Attention,
     post_attn_norm: Option<RmsNorm>,
@@ -229,7 +228,6 @@ impl DecoderLayer {
             if spec.sandwich_norms { Ok(Some(RmsNorm::load(w, r, layer, spec, device)?)) } else { Ok(None) }
         };
         Ok(DecoderLayer {
-            index: layer,
             attn_norm: RmsNorm::load(w, Role::AttnNorm, layer, spec, device)?,
             attn: Attention::load(w, spec, layer, device)?,
             post_attn_norm: sandwich(Role::PostAttnNorm)?,
@@ -261,8 +259,4 @@ impl DecoderLayer {
     pub fn head_dim(&self) -> usize {
         self.head_dim
     }
-}
-
-pub fn ensure_f32(x: Tensor) -> Result<Tensor> {
-    Ok(if x.dtype() == DType::F32 { x } else { x.to_dtype(DType::F32)? })
 }

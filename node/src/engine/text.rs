@@ -107,10 +107,6 @@ impl TextCodec {
         &self.stop_ids
     }
 
-    pub fn has_chat_template(&self) -> bool {
-        self.chat_template.is_some()
-    }
-
     /// Tokenizes a prompt; special-token strings in it map to their ids; BOS is prepended
     /// when the model wants it and the text does not already start with it.
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
