@@ -15,6 +15,7 @@
 //! - net: the libp2p swarm actor on loopback (static peers, no mDNS): mesh, adverts, RPCs,
 //!   cluster keys, malformed gossip, dead peers and silent links
 //! - swarm: real libp2p swarms on loopback run a pipeline across nodes and survive a lost stage
+//! - netns: real `shoal serve` processes in network namespaces, mDNS only: split, kill, cluster key
 //! - simulator: seeded churn over the cluster state machines, invariants every step
 
 mod util;
@@ -30,6 +31,7 @@ mod net;
 mod real_models;
 mod sharding;
 mod simulator;
+mod netns;
 mod swarm;
 mod text;
 mod ui;

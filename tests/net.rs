@@ -56,6 +56,7 @@ fn advert(id: PeerId) -> NodeAdvert {
         flops: 1e11,
         backend: "cpu".into(),
         addresses: vec![],
+        models: vec![],
         wants: vec![],
         plan: None,
     }
