@@ -51,9 +51,16 @@ pub enum Matrix {
     Candle(QMatMul),
 }
 
+/// shoal's kernels are used unless `SHOAL_KERNELS=candle` asks for candle's (a diagnostic switch
+/// for comparing the two; read once per process).
+pub fn own_kernels() -> bool {
+    static OWN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OWN.get_or_init(|| std::env::var("SHOAL_KERNELS").map_or(true, |v| v != "candle"))
+}
+
 impl Matrix {
     fn from_qtensor(q: QTensor, device: &Device) -> Result<Matrix> {
-        if device.is_cpu() {
+        if device.is_cpu() && own_kernels() {
             if let Some(m) = QMatrix::from_qtensor(&q).map_err(|e| EngineError::InvalidModel(e.to_string()))? {
                 return Ok(Matrix::Packed(Arc::new(m)));
             }
@@ -313,7 +320,7 @@ impl Weights {
                 let float = matches!(q.dtype(), candle_core::quantized::GgmlDType::F32 | candle_core::quantized::GgmlDType::F16 | candle_core::quantized::GgmlDType::BF16);
                 if float || hidden % q.dtype().block_size() != 0 {
                     Ok(EmbeddingTable::Dense(q.dequantize(device)?))
-                } else if let (true, Some(m)) = (device.is_cpu(), QMatrix::from_qtensor(&q).map_err(|e| EngineError::InvalidModel(e.to_string()))?) {
+                } else if let (true, Some(m)) = (device.is_cpu() && own_kernels(), QMatrix::from_qtensor(&q).map_err(|e| EngineError::InvalidModel(e.to_string()))?) {
                     Ok(EmbeddingTable::Packed(Arc::new(m)))
                 } else {
                     Ok(EmbeddingTable::Quantized(Arc::new(q)))

@@ -1,6 +1,7 @@
 //! Activation quantization: f32 rows become 8-bit blocks that the integer dot products read,
 //! `Q8K` (256 values, f32 scale, 16 partial sums) for the k-quants and `Q8_0` (32 values) for
-//! the 32-element formats. The rounding follows candle's (and so ggml's) reference exactly.
+//! the 32-element formats. Rounding follows llama.cpp's x86 build (ties to even; Q8_0's inverse
+//! scale is `127 / amax`), so activations quantize as in the engine we are compared with.
 //! It does not quantize weights: GGUF weights arrive quantized and are only copied.
 
 /// 256 activations as `d * qs[i]`, with `bsums[j]` the sum of `qs[16 j .. 16 j + 16]`.
@@ -44,7 +45,7 @@ pub fn quantize_q8k_portable(xs: &[f32], out: &mut [Q8K]) {
         }
         let iscale = -127f32 / max;
         for (q, &v) in y.qs.iter_mut().zip(x) {
-            *q = (iscale * v).round().clamp(-128.0, 127.0) as i8;
+            *q = (iscale * v).round_ties_even().clamp(-128.0, 127.0) as i8;
         }
         fill_bsums(y);
         y.d = 1.0 / iscale;
@@ -62,10 +63,10 @@ pub fn quantize_q8_0_portable(xs: &[f32], out: &mut [Q8_0]) {
     for (y, x) in out.iter_mut().zip(xs.chunks_exact(32)) {
         let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         y.d = half::f16::from_f32(d).to_f32();
         for (q, &v) in y.qs.iter_mut().zip(x) {
-            *q = (v * id).round() as i8;
+            *q = (v * id).round_ties_even().clamp(-128.0, 127.0) as i8;
         }
     }
 }

@@ -227,21 +227,10 @@ unsafe fn block32<const R: usize, const BYTES: usize>(w: &[u8], a: [&[Q8_0]; R],
     out
 }
 
-/// `round` as Rust's f32::round does it (halves away from zero), lane-wise.
-#[inline(always)]
-unsafe fn round_away(v: __m256) -> __m256 {
-    let t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-    let sign = _mm256_and_ps(v, _mm256_set1_ps(-0.0));
-    let frac = _mm256_andnot_ps(_mm256_set1_ps(-0.0), _mm256_sub_ps(v, t));
-    let one = _mm256_or_ps(sign, _mm256_set1_ps(1.0));
-    let up = _mm256_cmp_ps(frac, _mm256_set1_ps(0.5), _CMP_GE_OQ);
-    _mm256_add_ps(t, _mm256_and_ps(up, one))
-}
-
-/// 32 floats → 32 saturated signed bytes, scaled by `s` and rounded half away from zero.
+/// 32 floats → 32 saturated signed bytes, scaled by `s` and rounded to nearest, ties to even.
 #[inline(always)]
 unsafe fn quantize32(x: *const f32, s: __m256, out: *mut i8) {
-    let q = |k: usize| _mm256_cvtps_epi32(round_away(_mm256_mul_ps(_mm256_loadu_ps(x.add(8 * k)), s)));
+    let q = |k: usize| _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x.add(8 * k)), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     let ab = _mm256_packs_epi32(q(0), q(1));
     let cd = _mm256_packs_epi32(q(2), q(3));
     let abcd = _mm256_packs_epi16(ab, cd);
@@ -285,7 +274,7 @@ pub unsafe fn quantize_q8_0(xs: &[f32], out: &mut [Q8_0]) {
     for (y, x) in out.iter_mut().zip(xs.chunks_exact(32)) {
         let amax = absmax(x.as_ptr(), 32);
         let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         y.d = half::f16::from_f32(d).to_f32();
         quantize32(x.as_ptr(), _mm256_set1_ps(id), y.qs.as_mut_ptr());
     }
