@@ -1,6 +1,6 @@
 //! shoal's quantized kernels against their references: for every weight format the models use
 //! (Q4_K, Q6_K, Q8_0, Q5_0), row dequantization equals candle's, every implementation (portable,
-//! and AVX2 where the CPU has it) agrees with the portable one for 1..9 activation rows, and the
+//! and AVX2 / AVX-512 where the CPU has them) agrees with the portable one for 1..9 activation rows, and the
 //! result stays within the 8-bit activation error of the f32 product of the dequantized matrix.
 //! Activation quantization is bit-identical across implementations; the pool runs each task once.
 
@@ -18,6 +18,10 @@ fn isas() -> Vec<Isa> {
     #[cfg(target_arch = "x86_64")]
     if shoal::engine::kernels::x86::has_avx2() {
         v.push(Isa::Avx2);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if shoal::engine::kernels::x86::has_avx512() {
+        v.push(Isa::Avx512);
     }
     v
 }

@@ -76,7 +76,7 @@ pub fn quantize_q8k(xs: &[f32], out: &mut [Q8K]) {
     #[cfg(target_arch = "x86_64")]
     if super::x86::has_avx2() {
         // SAFETY: the CPU supports AVX2 and FMA (checked at run time just above).
-        unsafe { super::x86::quantize_q8k(xs, out) };
+        unsafe { super::x86::avx2::quantize_q8k(xs, out) };
         return;
     }
     quantize_q8k_portable(xs, out)
@@ -87,7 +87,7 @@ pub fn quantize_q8_0(xs: &[f32], out: &mut [Q8_0]) {
     #[cfg(target_arch = "x86_64")]
     if super::x86::has_avx2() {
         // SAFETY: as above.
-        unsafe { super::x86::quantize_q8_0(xs, out) };
+        unsafe { super::x86::avx2::quantize_q8_0(xs, out) };
         return;
     }
     quantize_q8_0_portable(xs, out)

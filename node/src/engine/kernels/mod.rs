@@ -1,6 +1,6 @@
 //! shoal's own CPU kernels for GGUF-quantized matrices: `QMatrix` holds a weight matrix in its
 //! stored block format and multiplies it with f32 activations by quantizing them to 8 bits and
-//! taking integer dot products (AVX2 on x86-64 when the CPU has it, else portable Rust), spread
+//! taking integer dot products (AVX-512 or AVX2 on x86-64 when the CPU has it, else portable Rust), spread
 //! over the kernel `pool`. Decode takes one activation row per weight row; prompts take up to four
 //! rows per unpacked weight block. Formats: Q4_K, Q6_K (× Q8_K) and Q8_0, Q5_0 (× Q8_0).
 //! It does not handle f32/f16 or other GGUF formats: those stay on candle's `QMatMul`.
@@ -68,11 +68,15 @@ pub enum Isa {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
 }
 
 impl Isa {
     fn resolve(self) -> Isa {
         match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Auto if x86::has_avx512() => Isa::Avx512,
             #[cfg(target_arch = "x86_64")]
             Isa::Auto if x86::has_avx2() => Isa::Avx2,
             Isa::Auto => Isa::Portable,
@@ -178,7 +182,7 @@ fn quantize_rows(x: &[f32], m: usize, k: usize, k_quant: bool, isa: Isa, pool: &
                 let src = &x[r0 * k..r1 * k];
                 match isa {
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2 => $fast(src, dst),
+                    Isa::Avx2 | Isa::Avx512 => $fast(src, dst),
                     _ => $portable(src, dst),
                 }
             };
@@ -213,11 +217,16 @@ fn dot_rows<const R: usize>(w: &QMatrix, row: usize, acts: &Acts, a_rows: [usize
             let per = w.cols / 256;
             let ar: [&[Q8K]; R] = a_rows.map(|i| &a[i * per..(i + 1) * per]);
             match (isa, w.ty) {
-                // SAFETY: `Isa::Avx2` is only chosen when the CPU has AVX2, FMA and F16C.
+                // SAFETY: `Isa::Avx2` / `Avx512` are only chosen when the CPU has those features
+                // (`Isa::resolve`, or a test that checked them).
                 #[cfg(target_arch = "x86_64")]
-                (Isa::Avx2, QType::Q4K) => unsafe { x86::dot_q4k::<R>(wr, ar) },
+                (Isa::Avx2, QType::Q4K) => unsafe { x86::avx2::dot_q4k::<R>(wr, ar) },
                 #[cfg(target_arch = "x86_64")]
-                (Isa::Avx2, QType::Q6K) => unsafe { x86::dot_q6k::<R>(wr, ar) },
+                (Isa::Avx2, QType::Q6K) => unsafe { x86::avx2::dot_q6k::<R>(wr, ar) },
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512, QType::Q4K) => unsafe { x86::avx512::dot_q4k::<R>(wr, ar) },
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512, QType::Q6K) => unsafe { x86::avx512::dot_q6k::<R>(wr, ar) },
                 (_, QType::Q4K) => ar.map(|a| portable::dot_q4k(wr, a)),
                 (_, QType::Q6K) => ar.map(|a| portable::dot_q6k(wr, a)),
                 _ => unreachable!("k-quant activations are made only for k-quant weights"),
@@ -229,9 +238,13 @@ fn dot_rows<const R: usize>(w: &QMatrix, row: usize, acts: &Acts, a_rows: [usize
             match (isa, w.ty) {
                 // SAFETY: as above.
                 #[cfg(target_arch = "x86_64")]
-                (Isa::Avx2, QType::Q8_0) => unsafe { x86::dot_q8_0::<R>(wr, ar) },
+                (Isa::Avx2, QType::Q8_0) => unsafe { x86::avx2::dot_q8_0::<R>(wr, ar) },
                 #[cfg(target_arch = "x86_64")]
-                (Isa::Avx2, QType::Q5_0) => unsafe { x86::dot_q5_0::<R>(wr, ar) },
+                (Isa::Avx2, QType::Q5_0) => unsafe { x86::avx2::dot_q5_0::<R>(wr, ar) },
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512, QType::Q8_0) => unsafe { x86::avx512::dot_q8_0::<R>(wr, ar) },
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512, QType::Q5_0) => unsafe { x86::avx512::dot_q5_0::<R>(wr, ar) },
                 (_, QType::Q8_0) => ar.map(|a| portable::dot_q8_0(wr, a)),
                 (_, QType::Q5_0) => ar.map(|a| portable::dot_q5_0(wr, a)),
                 _ => unreachable!("32-element activations are made only for 32-element weights"),
