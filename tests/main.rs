@@ -3,6 +3,7 @@
 //! - fidelity: logits of each family vs Hugging Face transformers on committed fixtures
 //! - sharding: layer-range shards chained equal the whole model
 //! - gguf_quant: GGUF loading of every supported tensor type, written from fixtures
+//! - kernels: shoal's quantized matmul kernels and activation quantization vs their references
 //! - real_models: the registry-packaged GGUFs against llama.cpp's greedy output
 //! - bad_input: corrupt, missing and unsupported files; over-long prompts; via the CLI
 //! - gguf_tokenizer: tokenizers built from GGUF metadata vs the reference tokenizer.json
@@ -25,6 +26,7 @@ mod bad_input;
 mod fidelity;
 mod gguf_quant;
 mod gguf_tokenizer;
+mod kernels;
 mod pipeline;
 mod launchers;
 mod net;

@@ -31,6 +31,30 @@ enum Command {
     Run(RunArgs),
     /// Start the node: the OpenAI-compatible API and the web UI on one port (the default).
     Serve(ServeArgs),
+    /// Measure prompt processing and decode speed of a model on this machine.
+    Bench(BenchArgs),
+}
+
+#[derive(clap::Args)]
+struct BenchArgs {
+    /// A model id from the cache (`~/.cache/shoal/models/<id>`), a GGUF file or a model directory.
+    #[arg(long)]
+    model: String,
+    /// Compute threads (default: every core).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Tokens in the prompt whose processing is timed.
+    #[arg(long, default_value_t = 256)]
+    prompt_tokens: usize,
+    /// Tokens generated (greedy) in each timed decode run.
+    #[arg(long, default_value_t = 128)]
+    gen_tokens: usize,
+    /// Timed runs of each phase; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repetitions: usize,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(clap::Args)]
@@ -123,6 +147,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Some(Command::Run(args)) => run(args),
         Some(Command::Serve(args)) => serve(args),
+        Some(Command::Bench(args)) => bench(args),
         None => serve(cli.serve),
     };
     match result {
@@ -184,8 +209,38 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         "prompt {} tokens at {:.1} tok/s, generated {} tokens at {:.1} tok/s, first token after {:.3}s",
         usage.prompt_tokens, usage.prefill_tok_s, usage.completion_tokens, usage.decode_tok_s, usage.time_to_first_token_s
     );
-    if let Some(bytes) = peak_rss_bytes() {
+    if let Some(bytes) = shoal::engine::bench::peak_rss_bytes() {
         eprintln!("peak RSS {} MB", bytes / 1_000_000);
+    }
+    Ok(())
+}
+
+fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
+    // Both pools are sized before any model code runs: shoal's kernels and candle's rayon ops.
+    shoal::engine::kernels::pool::init(threads);
+    rayon::ThreadPoolBuilder::new().num_threads(std::env::var("XR").ok().and_then(|v| v.parse().ok()).unwrap_or(threads)).build_global().context("sizing the rayon pool")?;
+    let path = {
+        let p = PathBuf::from(&args.model);
+        let cached = dirs::home_dir().map(|h| h.join(".cache/shoal/models").join(&args.model));
+        match cached {
+            Some(c) if !p.exists() && c.is_dir() => c,
+            _ => p,
+        }
+    };
+    let model = LoadedModel::load(&path, &LoadOptions::default()).with_context(|| format!("loading {}", path.display()))?;
+    let opts = shoal::engine::bench::BenchOptions { prompt_tokens: args.prompt_tokens, gen_tokens: args.gen_tokens, repetitions: args.repetitions, threads };
+    let r = shoal::engine::bench::run(&model, &opts)?;
+    if args.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!("model {} ({} threads)", r.model, r.threads);
+        println!("prompt processing  {:8.1} tok/s  ({} tokens, median of {})", r.prefill_tok_s, r.prompt_tokens, r.prefill_runs.len());
+        println!("decode             {:8.1} tok/s  ({} tokens, median of {})", r.decode_tok_s, r.gen_tokens, r.decode_runs.len());
+        println!("peak RSS           {:8.0} MB", r.rss_bytes as f64 / 1e6);
+        println!("memory read        {:8.1} GB/s ({} threads)", r.mem_bw_bytes_s / 1e9, r.threads);
+        println!("bytes per token    {:8.1} MB", r.bytes_per_token as f64 / 1e6);
+        println!("decode roofline    {:8.2}", r.roofline_fraction);
     }
     Ok(())
 }
@@ -353,12 +408,4 @@ mod tests {
         assert!(parse_bytes("0").is_err());
         assert!(parse_bytes("GiB").is_err());
     }
-}
-
-/// The process's peak resident set size, where the OS reports it (Linux `VmHWM`).
-fn peak_rss_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
 }

@@ -2,12 +2,12 @@
 //! attention with an optional sliding window, the gated MLP and the decoder layer.
 //! Blocks are built from a `ModelSpec` and a `Weights` source; they hold no KV state.
 
-use candle_core::quantized::QMatMul;
 use candle_core::{Device, Module, Tensor};
 
 use super::cache::LayerCache;
 use super::spec::{Activation, ModelSpec, Rope, RopeStyle};
-use super::weights::{Role, Weights};
+use super::kernels::{self, QMatMulOp};
+use super::weights::{Matrix, Role, Weights};
 use super::Result;
 
 #[derive(Debug, Clone)]
@@ -28,12 +28,16 @@ impl RmsNorm {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)?)
     }
+
+    pub fn weight_bytes(&self) -> u64 {
+        tensor_bytes(&self.weight)
+    }
 }
 
 /// A linear layer with an optional bias.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    weight: QMatMul,
+    weight: Matrix,
     bias: Option<Tensor>,
 }
 
@@ -44,17 +48,57 @@ impl Linear {
         Ok(Linear { weight, bias })
     }
 
-    pub fn from_matmul(weight: QMatMul) -> Self {
+    pub fn from_matmul(weight: Matrix) -> Self {
         Linear { weight, bias: None }
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = self.weight.forward(x)?;
+        let y = match &self.weight {
+            Matrix::Packed(w) => x.contiguous()?.apply_op1_no_bwd(&QMatMulOp { weight: w.clone() })?,
+            Matrix::Candle(w) => w.forward(x)?,
+        };
+        self.add_bias(y)
+    }
+
+    /// Bytes of weights (and bias) a forward pass reads.
+    pub fn weight_bytes(&self) -> u64 {
+        let w = match &self.weight {
+            Matrix::Packed(m) => m.size_in_bytes() as u64,
+            Matrix::Candle(candle_core::quantized::QMatMul::QTensor(q)) => q.storage_size_in_bytes() as u64,
+            Matrix::Candle(candle_core::quantized::QMatMul::Tensor(t) | candle_core::quantized::QMatMul::TensorF16(t)) => tensor_bytes(t),
+        };
+        w + self.bias.as_ref().map_or(0, tensor_bytes)
+    }
+
+    fn add_bias(&self, y: Tensor) -> Result<Tensor> {
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         })
     }
+
+    /// Several layers applied to one input: with shoal's kernels the input is quantized once and
+    /// every matrix's rows run as one job.
+    pub fn forward_group<const N: usize>(layers: [&Linear; N], x: &Tensor) -> Result<[Tensor; N]> {
+        let packed: Vec<_> = layers.iter().filter_map(|l| if let Matrix::Packed(w) = &l.weight { Some(w) } else { None }).collect();
+        if packed.len() < N {
+            let mut out = Vec::with_capacity(N);
+            for l in layers {
+                out.push(l.forward(x)?);
+            }
+            return Ok(out.try_into().expect("N outputs"));
+        }
+        let ys = kernels::forward_many(&packed, x)?;
+        let mut out = Vec::with_capacity(N);
+        for (l, y) in layers.iter().zip(ys) {
+            out.push(l.add_bias(y)?);
+        }
+        Ok(out.try_into().expect("N outputs"))
+    }
+}
+
+fn tensor_bytes(t: &Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
 }
 
 /// Cosine and sine tables for the positions `[start, start + len)`, each `(len, head_dim / 2)`.
@@ -114,14 +158,20 @@ impl Attention {
         })
     }
 
+    pub fn weight_bytes(&self) -> u64 {
+        let norms = self.q_norm.as_ref().map_or(0, RmsNorm::weight_bytes) + self.k_norm.as_ref().map_or(0, RmsNorm::weight_bytes);
+        self.q.weight_bytes() + self.k.weight_bytes() + self.v.weight_bytes() + self.o.weight_bytes() + norms
+    }
+
     /// `x` is `(1, t, hidden)` for positions `[start, start + t)`; `cos`/`sin` cover those positions.
     pub fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cache: &mut LayerCache) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let start = cache.len();
         let heads = |y: Tensor, n: usize| -> Result<Tensor> { Ok(y.reshape((b, t, n, self.head_dim))?.transpose(1, 2)?.contiguous()?) };
-        let mut q = heads(self.q.forward(x)?, self.num_heads)?;
-        let mut k = heads(self.k.forward(x)?, self.num_kv_heads)?;
-        let v = heads(self.v.forward(x)?, self.num_kv_heads)?;
+        let [q, k, v] = Linear::forward_group([&self.q, &self.k, &self.v], x)?;
+        let mut q = heads(q, self.num_heads)?;
+        let mut k = heads(k, self.num_kv_heads)?;
+        let v = heads(v, self.num_kv_heads)?;
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
@@ -199,13 +249,17 @@ impl Mlp {
         })
     }
 
+    pub fn weight_bytes(&self) -> u64 {
+        self.gate.weight_bytes() + self.up.weight_bytes() + self.down.weight_bytes()
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let gate = self.gate.forward(x)?;
+        let [gate, up] = Linear::forward_group([&self.gate, &self.up], x)?;
         let gate = match self.activation {
             Activation::Silu => candle_nn::ops::silu(&gate)?,
             Activation::GeluTanh => gate.gelu()?,
         };
-        self.down.forward(&(gate * self.up.forward(x)?)?)
+        self.down.forward(&(gate * up)?)
     }
 }
 
@@ -237,6 +291,12 @@ impl DecoderLayer {
             rope: spec.rope_for_layer(layer).clone(),
             head_dim: spec.head_dim,
         })
+    }
+
+    /// Bytes of weights one forward step reads.
+    pub fn weight_bytes(&self) -> u64 {
+        let opt = |n: &Option<RmsNorm>| n.as_ref().map_or(0, RmsNorm::weight_bytes);
+        self.attn_norm.weight_bytes() + self.attn.weight_bytes() + opt(&self.post_attn_norm) + self.ffn_norm.weight_bytes() + self.mlp.weight_bytes() + opt(&self.post_ffn_norm)
     }
 
     pub fn rope(&self) -> &Rope {

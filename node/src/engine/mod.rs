@@ -3,10 +3,12 @@
 //! It never awaits and never sees the network: callers reach it over a channel
 //! (`runtime::EngineHandle`) and get events back through a synchronous sink.
 
+pub mod bench;
 pub mod cache;
 pub mod families;
 pub mod generate;
 pub mod gguf_tokenizer;
+pub mod kernels;
 pub mod layers;
 pub mod model;
 pub mod probe;

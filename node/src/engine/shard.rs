@@ -101,6 +101,14 @@ impl Shard {
         &self.device
     }
 
+    /// Weight bytes one decode step reads: every layer, the final norm and the LM head
+    /// (the embedding contributes one row, left out).
+    pub fn decode_bytes(&self) -> u64 {
+        self.layers.iter().map(DecoderLayer::weight_bytes).sum::<u64>()
+            + self.final_norm.as_ref().map_or(0, RmsNorm::weight_bytes)
+            + self.lm_head.as_ref().map_or(0, Linear::weight_bytes)
+    }
+
     pub fn new_cache(&self) -> ShardCache {
         ShardCache::new(self.layers.len(), &self.device)
     }

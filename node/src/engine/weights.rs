@@ -12,6 +12,7 @@ use candle_core::quantized::{gguf_file, QMatMul, QTensor};
 use candle_core::safetensors::MmapedSafetensors;
 use candle_core::{DType, Device, Tensor};
 
+use super::kernels::QMatrix;
 use super::{EngineError, Result};
 
 /// A tensor's role in a decoder layer or around the stack.
@@ -42,10 +43,37 @@ pub enum Role {
     Down,
 }
 
+/// A weight matrix for `x @ W^T`: GGUF blocks that shoal's kernels multiply (`Packed`), or
+/// anything else through candle's `QMatMul` (f32, f16, other GGUF formats, non-CPU devices).
+#[derive(Debug, Clone)]
+pub enum Matrix {
+    Packed(Arc<QMatrix>),
+    Candle(QMatMul),
+}
+
+/// shoal's kernels are used unless `SHOAL_KERNELS=candle` asks for candle's (a diagnostic switch
+/// for comparing the two; read once per process).
+pub fn own_kernels() -> bool {
+    static OWN: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OWN.get_or_init(|| std::env::var("SHOAL_KERNELS").map_or(true, |v| v != "candle"))
+}
+
+impl Matrix {
+    fn from_qtensor(q: QTensor, device: &Device) -> Result<Matrix> {
+        if device.is_cpu() && own_kernels() {
+            if let Some(m) = QMatrix::from_qtensor(&q).map_err(|e| EngineError::InvalidModel(e.to_string()))? {
+                return Ok(Matrix::Packed(Arc::new(m)));
+            }
+        }
+        Ok(Matrix::Candle(QMatMul::from_qtensor(q)?))
+    }
+}
+
 /// An embedding table kept in its stored form; rows are materialised only for looked-up ids.
 #[derive(Debug, Clone)]
 pub enum EmbeddingTable {
     Dense(Tensor),
+    Packed(Arc<QMatrix>),
     Quantized(Arc<QTensor>),
 }
 
@@ -53,6 +81,7 @@ impl EmbeddingTable {
     pub fn rows(&self) -> usize {
         match self {
             EmbeddingTable::Dense(t) => t.dim(0).unwrap_or(0),
+            EmbeddingTable::Packed(q) => q.rows,
             EmbeddingTable::Quantized(q) => q.shape().dims().first().copied().unwrap_or(0),
         }
     }
@@ -65,20 +94,29 @@ impl EmbeddingTable {
         }
         let device = match self {
             EmbeddingTable::Dense(t) => t.device().clone(),
+            EmbeddingTable::Packed(q) => {
+                let mut out = vec![0f32; ids.len() * q.cols];
+                for (&id, row) in ids.iter().zip(out.chunks_exact_mut(q.cols)) {
+                    q.dequantize_row(id as usize, row);
+                }
+                return Ok(Tensor::from_vec(out, (ids.len(), q.cols), &Device::Cpu)?);
+            }
             EmbeddingTable::Quantized(q) => q.device(),
         };
         let ids_t = Tensor::new(ids, &device)?;
         Ok(match self {
             EmbeddingTable::Dense(t) => t.index_select(&ids_t, 0)?,
             EmbeddingTable::Quantized(q) => q.embedding(&ids_t)?,
+            EmbeddingTable::Packed(_) => unreachable!("returned above"),
         })
     }
 
     /// The same table used as an output projection (tied embeddings), sharing its memory.
-    pub fn as_matmul(&self) -> QMatMul {
+    pub fn as_matmul(&self) -> Matrix {
         match self {
-            EmbeddingTable::Dense(t) => QMatMul::Tensor(t.clone()),
-            EmbeddingTable::Quantized(q) => QMatMul::QTensor(q.clone()),
+            EmbeddingTable::Dense(t) => Matrix::Candle(QMatMul::Tensor(t.clone())),
+            EmbeddingTable::Packed(q) => Matrix::Packed(q.clone()),
+            EmbeddingTable::Quantized(q) => Matrix::Candle(QMatMul::QTensor(q.clone())),
         }
     }
 }
@@ -259,11 +297,11 @@ impl Weights {
     }
 
     /// A weight matrix for `x @ W^T`, quantized blocks kept as they are.
-    pub fn matmul(&self, role: Role, layer: usize, device: &Device) -> Result<QMatMul> {
+    pub fn matmul(&self, role: Role, layer: usize, device: &Device) -> Result<Matrix> {
         let name = self.name(role, layer);
         match self {
-            Weights::Safetensors { .. } => Ok(QMatMul::Tensor(self.read_dense(&name, device)?)),
-            Weights::Gguf { .. } => Ok(QMatMul::from_qtensor(self.read_qtensor(&name, device)?)?),
+            Weights::Safetensors { .. } => Ok(Matrix::Candle(QMatMul::Tensor(self.read_dense(&name, device)?))),
+            Weights::Gguf { .. } => Matrix::from_qtensor(self.read_qtensor(&name, device)?, device),
         }
     }
 
@@ -282,6 +320,8 @@ impl Weights {
                 let float = matches!(q.dtype(), candle_core::quantized::GgmlDType::F32 | candle_core::quantized::GgmlDType::F16 | candle_core::quantized::GgmlDType::BF16);
                 if float || hidden % q.dtype().block_size() != 0 {
                     Ok(EmbeddingTable::Dense(q.dequantize(device)?))
+                } else if let (true, Some(m)) = (device.is_cpu() && own_kernels(), QMatrix::from_qtensor(&q).map_err(|e| EngineError::InvalidModel(e.to_string()))?) {
+                    Ok(EmbeddingTable::Packed(Arc::new(m)))
                 } else {
                     Ok(EmbeddingTable::Quantized(Arc::new(q)))
                 }

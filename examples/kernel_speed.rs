@@ -1,0 +1,38 @@
+//! Times shoal's quantized matmul kernels on random matrices of model-like shapes: GB/s of
+//! weights for one activation row (decode) and GMAC/s for many (prompts). A development aid for
+//! tuning the kernels; not used by tests and asserts nothing.
+
+use std::time::Instant;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use shoal::engine::kernels::pool::Pool;
+use shoal::engine::kernels::{matmul_many, Isa, QMatrix};
+
+fn main() -> anyhow::Result<()> {
+    let threads: usize = std::env::args().nth(1).map(|s| s.parse()).transpose()?.unwrap_or(1);
+    let only: Option<String> = std::env::args().nth(2);
+    let pool = Pool::new(threads);
+    for (dtype, rows, cols) in [(GgmlDType::Q4K, 8960, 1536), (GgmlDType::Q6K, 1536, 8960), (GgmlDType::Q8_0, 8192, 640), (GgmlDType::Q5_0, 2048, 640)] {
+        if only.as_ref().is_some_and(|o| !format!("{dtype:?}").eq_ignore_ascii_case(o)) {
+            continue;
+        }
+        let w = Tensor::randn(0f32, 0.1, (rows, cols), &Device::Cpu)?;
+        let q = QMatrix::from_qtensor(&QTensor::quantize(&w, dtype)?)?.expect("supported");
+        for m in [1usize, 64] {
+            let x = Tensor::randn(0f32, 1.0, (m, cols), &Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+            let mut out = vec![0f32; m * rows];
+            matmul_many(&[&q], &x, m, &mut [&mut out], Isa::Auto, &pool);
+            // The best of many runs: on a shared machine that is the run nobody interrupted.
+            let reps = if m == 1 { 300 } else { 20 };
+            let mut s = f64::MAX;
+            for _ in 0..reps {
+                let t0 = Instant::now();
+                matmul_many(&[&q], &x, m, &mut [&mut out], Isa::Auto, &pool);
+                s = s.min(t0.elapsed().as_secs_f64());
+            }
+            println!("{dtype:?} {rows}x{cols} m={m}: {:.2} ms, {:.1} GB/s weights, {:.1} GMAC/s", s * 1e3, q.size_in_bytes() as f64 / s / 1e9, (m * rows * cols) as f64 / s / 1e9);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,156 @@
+//! `shoal bench`'s measurement: prompt processing and greedy decode throughput of a loaded model
+//! (median over repetitions, after a warm-up), peak RSS, the memory-read bandwidth measured with
+//! the same thread count, and the decode roofline fraction (tok/s × weight bytes read per token ÷
+//! bandwidth). It runs the engine's own shard forward, the path `run` and `serve` use.
+//! It does not compare with other engines (scripts/bench-vs-llamacpp.sh does) nor assert speeds.
+
+use std::time::{Duration, Instant};
+
+use candle_core::D;
+
+use super::model::LoadedModel;
+use super::shard::{ShardInput, ShardOutput};
+use super::{EngineError, Result};
+
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    pub prompt_tokens: usize,
+    pub gen_tokens: usize,
+    pub repetitions: usize,
+    /// Threads for the bandwidth probe (the kernels' pool is sized by the caller).
+    pub threads: usize,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BenchReport {
+    pub model: String,
+    pub threads: usize,
+    pub prompt_tokens: usize,
+    pub gen_tokens: usize,
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+    /// Every repetition, in the order measured.
+    pub prefill_runs: Vec<f64>,
+    pub decode_runs: Vec<f64>,
+    pub rss_bytes: u64,
+    pub mem_bw_bytes_s: f64,
+    /// Weight bytes a decode step reads: every layer's matrices and vectors and the LM head.
+    pub bytes_per_token: u64,
+    pub roofline_fraction: f64,
+}
+
+/// The text the prompt is cut from (the same filler llama.cpp's side of the comparison uses).
+const FILLER: &str = "The quick brown fox jumps over the lazy dog. In the beginning the Universe was created. This has made a lot of people very angry and been widely regarded as a bad move. ";
+
+pub fn run(model: &LoadedModel, opts: &BenchOptions) -> Result<BenchReport> {
+    if opts.prompt_tokens == 0 || opts.gen_tokens == 0 || opts.repetitions == 0 {
+        return Err(EngineError::InvalidRequest("prompt tokens, generated tokens and repetitions must be at least 1".into()));
+    }
+    let shard = &model.shard;
+    if !shard.is_first() || !shard.is_last() {
+        return Err(EngineError::InvalidRequest("bench needs the whole model on this node".into()));
+    }
+    let mut prompt = model.text.encode_prompt(&FILLER.repeat(opts.prompt_tokens / 16 + 2))?;
+    prompt.truncate(opts.prompt_tokens);
+    if prompt.len() < opts.prompt_tokens || opts.prompt_tokens + opts.gen_tokens + 8 > model.spec.context_length {
+        return Err(EngineError::InvalidRequest(format!("{} + {} tokens do not fit the context of {}", opts.prompt_tokens, opts.gen_tokens, model.spec.context_length)));
+    }
+    let short = model.text.encode_prompt("Once upon a time")?;
+
+    // Warm-up: page the weights in, size the caches and buffers.
+    {
+        let mut cache = shard.new_cache();
+        shard.forward(ShardInput::Tokens(&prompt[..prompt.len().min(32)]), &mut cache, false)?;
+        let mut next = prompt[0];
+        for _ in 0..4 {
+            next = greedy(shard.forward(ShardInput::Tokens(&[next]), &mut cache, false)?)?;
+        }
+    }
+
+    let mut prefill_runs = Vec::new();
+    for _ in 0..opts.repetitions {
+        let mut cache = shard.new_cache();
+        let t0 = Instant::now();
+        let out = shard.forward(ShardInput::Tokens(&prompt), &mut cache, false)?;
+        greedy(out)?;
+        prefill_runs.push(prompt.len() as f64 / t0.elapsed().as_secs_f64());
+    }
+
+    let mut decode_runs = Vec::new();
+    for _ in 0..opts.repetitions {
+        let mut cache = shard.new_cache();
+        let mut next = greedy(shard.forward(ShardInput::Tokens(&short), &mut cache, false)?)?;
+        let t0 = Instant::now();
+        for _ in 0..opts.gen_tokens {
+            next = greedy(shard.forward(ShardInput::Tokens(&[next]), &mut cache, false)?)?;
+        }
+        decode_runs.push(opts.gen_tokens as f64 / t0.elapsed().as_secs_f64());
+    }
+
+    let mem_bw = read_bandwidth(opts.threads, 256 << 20, Duration::from_millis(600));
+    let decode = median(&decode_runs);
+    let bytes = shard.decode_bytes();
+    Ok(BenchReport {
+        model: model.name.clone(),
+        threads: opts.threads,
+        prompt_tokens: prompt.len(),
+        gen_tokens: opts.gen_tokens,
+        prefill_tok_s: median(&prefill_runs),
+        decode_tok_s: decode,
+        prefill_runs,
+        decode_runs,
+        rss_bytes: peak_rss_bytes().unwrap_or(0),
+        mem_bw_bytes_s: mem_bw,
+        bytes_per_token: bytes,
+        roofline_fraction: decode * bytes as f64 / mem_bw,
+    })
+}
+
+fn greedy(out: ShardOutput) -> Result<u32> {
+    match out {
+        ShardOutput::Logits(l) => {
+            let l = if l.rank() == 2 { l.get(l.dim(0)? - 1)? } else { l };
+            Ok(l.argmax(D::Minus1)?.to_scalar::<u32>()?)
+        }
+        ShardOutput::Hidden(_) => Err(EngineError::Shard("the last shard returned hidden states".into())),
+    }
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
+}
+
+/// Memory read bandwidth with `threads` threads each summing its own part of a `bytes` buffer
+/// (far larger than any cache), pass after pass, for `budget`; the best pass counts.
+pub fn read_bandwidth(threads: usize, bytes: usize, budget: Duration) -> f64 {
+    let threads = threads.max(1);
+    let words = bytes / 8;
+    let buffer: Vec<u64> = (0..words as u64).collect();
+    let chunk = words.div_ceil(threads);
+    let pass = || {
+        std::thread::scope(|s| {
+            let hs: Vec<_> = buffer.chunks(chunk).map(|c| s.spawn(move || c.iter().fold(0u64, |a, x| a.wrapping_add(*x)))).collect();
+            hs.into_iter().map(|h| h.join().unwrap_or(0)).fold(0u64, u64::wrapping_add)
+        })
+    };
+    std::hint::black_box(pass());
+    let started = Instant::now();
+    let mut best = 0f64;
+    while started.elapsed() < budget || best == 0.0 {
+        let t0 = Instant::now();
+        std::hint::black_box(pass());
+        best = best.max((words * 8) as f64 / t0.elapsed().as_secs_f64().max(1e-9));
+    }
+    best
+}
+
+/// The process's peak resident set size where the OS reports it (Linux `VmHWM`).
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}

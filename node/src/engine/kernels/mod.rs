@@ -1,0 +1,384 @@
+//! shoal's own CPU kernels for GGUF-quantized matrices: `QMatrix` holds a weight matrix in its
+//! stored block format and multiplies it with f32 activations by quantizing them to 8 bits and
+//! taking integer dot products (AVX-512 or AVX2 on x86-64 when the CPU has it, else portable Rust), spread
+//! over the kernel `pool`. Decode takes one activation row per weight row; prompts take up to four
+//! rows per unpacked weight block. Formats: Q4_K, Q6_K (× Q8_K) and Q8_0, Q5_0 (× Q8_0).
+//! It does not handle f32/f16 or other GGUF formats: those stay on candle's `QMatMul`.
+
+pub mod act;
+pub mod pool;
+pub mod portable;
+#[cfg(target_arch = "x86_64")]
+pub mod x86;
+
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
+
+use act::{Q8K, Q8_0};
+
+/// The weight formats these kernels multiply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QType {
+    Q4K,
+    Q6K,
+    Q8_0,
+    Q5_0,
+}
+
+impl QType {
+    pub fn from_ggml(t: GgmlDType) -> Option<QType> {
+        match t {
+            GgmlDType::Q4K => Some(QType::Q4K),
+            GgmlDType::Q6K => Some(QType::Q6K),
+            GgmlDType::Q8_0 => Some(QType::Q8_0),
+            GgmlDType::Q5_0 => Some(QType::Q5_0),
+            _ => None,
+        }
+    }
+
+    /// Values per block.
+    pub fn block_len(self) -> usize {
+        match self {
+            QType::Q4K | QType::Q6K => 256,
+            QType::Q8_0 | QType::Q5_0 => 32,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            QType::Q4K => 144,
+            QType::Q6K => 210,
+            QType::Q8_0 => 34,
+            QType::Q5_0 => 22,
+        }
+    }
+
+    fn k_quant(self) -> bool {
+        matches!(self, QType::Q4K | QType::Q6K)
+    }
+}
+
+/// Which implementation runs the dot products (tests pin one; `Auto` picks the fastest).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    Auto,
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Isa {
+    fn resolve(self) -> Isa {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Auto if x86::has_avx512() => Isa::Avx512,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Auto if x86::has_avx2() => Isa::Avx2,
+            Isa::Auto => Isa::Portable,
+            other => other,
+        }
+    }
+}
+
+/// A `rows × cols` weight matrix (`y = x W^T`) in a GGUF block format, row-major.
+#[derive(Debug)]
+pub struct QMatrix {
+    pub ty: QType,
+    pub rows: usize,
+    pub cols: usize,
+    row_bytes: usize,
+    data: Vec<u8>,
+}
+
+/// Errors building a `QMatrix`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum KernelError {
+    /// The tensor is not a matrix whose rows are whole blocks of a supported format.
+    #[error("unsupported quantized matrix: {0}")]
+    Unsupported(String),
+    /// The tensor's bytes could not be read or do not match its shape.
+    #[error("quantized matrix data: {0}")]
+    Data(String),
+}
+
+impl QMatrix {
+    /// Copies a GGUF tensor's blocks; `None` when its format or shape is not one these kernels take.
+    pub fn from_qtensor(q: &QTensor) -> Result<Option<QMatrix>, KernelError> {
+        let Some(ty) = QType::from_ggml(q.dtype()) else { return Ok(None) };
+        let Ok((rows, cols)) = q.shape().dims2() else { return Ok(None) };
+        if cols % ty.block_len() != 0 {
+            return Ok(None);
+        }
+        let data = q.data().map_err(|e| KernelError::Data(e.to_string()))?.into_owned();
+        QMatrix::from_bytes(ty, rows, cols, data).map(Some)
+    }
+
+    /// A matrix from raw GGUF blocks (`rows * cols / block_len` blocks, row after row).
+    pub fn from_bytes(ty: QType, rows: usize, cols: usize, data: Vec<u8>) -> Result<QMatrix, KernelError> {
+        if cols == 0 || cols % ty.block_len() != 0 {
+            return Err(KernelError::Unsupported(format!("{cols} columns are not whole {ty:?} blocks")));
+        }
+        let row_bytes = cols / ty.block_len() * ty.block_bytes();
+        if data.len() != rows * row_bytes {
+            return Err(KernelError::Data(format!("{} bytes for {rows}×{cols} {ty:?}", data.len())));
+        }
+        Ok(QMatrix { ty, rows, cols, row_bytes, data })
+    }
+
+    pub fn size_in_bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    fn row(&self, r: usize) -> &[u8] {
+        &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+
+    /// Row `r` as f32 (an embedding lookup).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        let w = self.row(r);
+        match self.ty {
+            QType::Q4K => portable::dequantize_q4k(w, out),
+            QType::Q6K => portable::dequantize_q6k(w, out),
+            QType::Q8_0 => portable::dequantize_q8_0(w, out),
+            QType::Q5_0 => portable::dequantize_q5_0(w, out),
+        }
+    }
+
+    /// The whole matrix as f32, row-major (for tests and references).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.rows * self.cols];
+        for (r, o) in out.chunks_exact_mut(self.cols).enumerate() {
+            self.dequantize_row(r, o);
+        }
+        out
+    }
+}
+
+/// `m` activation rows quantized for one family of formats.
+enum Acts {
+    K(Vec<Q8K>),
+    Zero(Vec<Q8_0>),
+}
+
+fn quantize_rows(x: &[f32], m: usize, k: usize, k_quant: bool, isa: Isa, pool: &pool::Pool) -> Acts {
+    let per_row = if k_quant { k / 256 } else { k / 32 };
+    let rows_per_task = (m / (4 * pool.threads())).max(1);
+    let tasks = m.div_ceil(rows_per_task);
+    macro_rules! run {
+        ($ty:ty, $variant:ident, $fast:path, $portable:path) => {{
+            let mut out = vec![<$ty>::default(); m * per_row];
+            let ptr = SendPtr(out.as_mut_ptr());
+            let task = |t: usize| {
+                let r0 = t * rows_per_task;
+                let r1 = (r0 + rows_per_task).min(m);
+                // SAFETY: tasks cover disjoint row ranges of `out`, which outlives the job.
+                let dst = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(r0 * per_row), (r1 - r0) * per_row) };
+                let src = &x[r0 * k..r1 * k];
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 | Isa::Avx512 => $fast(src, dst),
+                    _ => $portable(src, dst),
+                }
+            };
+            if m == 1 { task(0) } else { pool.run(tasks, &task) }
+            Acts::$variant(out)
+        }};
+    }
+    if k_quant {
+        run!(Q8K, K, act::quantize_q8k, act::quantize_q8k_portable)
+    } else {
+        run!(Q8_0, Zero, act::quantize_q8_0, act::quantize_q8_0_portable)
+    }
+}
+
+#[derive(Clone, Copy)]
+struct SendPtr<T>(*mut T);
+// SAFETY: used only to hand disjoint parts of one buffer to pool tasks.
+unsafe impl<T> Send for SendPtr<T> {}
+unsafe impl<T> Sync for SendPtr<T> {}
+impl<T> SendPtr<T> {
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+/// One weight row against `R` activation rows.
+#[inline]
+fn dot_rows<const R: usize>(w: &QMatrix, row: usize, acts: &Acts, a_rows: [usize; R], isa: Isa) -> [f32; R] {
+    let wr = w.row(row);
+    match acts {
+        Acts::K(a) => {
+            let per = w.cols / 256;
+            let ar: [&[Q8K]; R] = a_rows.map(|i| &a[i * per..(i + 1) * per]);
+            match (isa, w.ty) {
+                // SAFETY: `Isa::Avx2` / `Avx512` are only chosen when the CPU has those features
+                // (`Isa::resolve`, or a test that checked them).
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx2, QType::Q4K) => unsafe { x86::avx2::dot_q4k::<R>(wr, ar) },
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx2, QType::Q6K) => unsafe { x86::avx2::dot_q6k::<R>(wr, ar) },
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512, QType::Q4K) => unsafe { x86::avx512::dot_q4k::<R>(wr, ar) },
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512, QType::Q6K) => unsafe { x86::avx512::dot_q6k::<R>(wr, ar) },
+                (_, QType::Q4K) => ar.map(|a| portable::dot_q4k(wr, a)),
+                (_, QType::Q6K) => ar.map(|a| portable::dot_q6k(wr, a)),
+                _ => unreachable!("k-quant activations are made only for k-quant weights"),
+            }
+        }
+        Acts::Zero(a) => {
+            let per = w.cols / 32;
+            let ar: [&[Q8_0]; R] = a_rows.map(|i| &a[i * per..(i + 1) * per]);
+            match (isa, w.ty) {
+                // SAFETY: as above.
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx2, QType::Q8_0) => unsafe { x86::avx2::dot_q8_0::<R>(wr, ar) },
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx2, QType::Q5_0) => unsafe { x86::avx2::dot_q5_0::<R>(wr, ar) },
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512, QType::Q8_0) => unsafe { x86::avx512::dot_q8_0::<R>(wr, ar) },
+                #[cfg(target_arch = "x86_64")]
+                (Isa::Avx512, QType::Q5_0) => unsafe { x86::avx512::dot_q5_0::<R>(wr, ar) },
+                (_, QType::Q8_0) => ar.map(|a| portable::dot_q8_0(wr, a)),
+                (_, QType::Q5_0) => ar.map(|a| portable::dot_q5_0(wr, a)),
+                _ => unreachable!("32-element activations are made only for 32-element weights"),
+            }
+        }
+    }
+}
+
+/// `out[i] = x · W_i^T` for every matrix `W_i` (all with `cols == k`), `x` being `m × k` row-major
+/// and `out[i]` `m × W_i.rows`. Activations are quantized once per format family, and all the
+/// matrices' rows are shared out as one job on the pool.
+pub fn matmul_many(mats: &[&QMatrix], x: &[f32], m: usize, outs: &mut [&mut [f32]], isa: Isa, pool: &pool::Pool) {
+    let isa = isa.resolve();
+    let k = mats[0].cols;
+    assert!(mats.iter().all(|w| w.cols == k), "matrices of one group share their input size");
+    assert_eq!(x.len(), m * k);
+    assert_eq!(mats.len(), outs.len());
+    for (w, o) in mats.iter().zip(outs.iter()) {
+        assert_eq!(o.len(), m * w.rows);
+    }
+    let acts_k = mats.iter().any(|w| w.ty.k_quant()).then(|| quantize_rows(x, m, k, true, isa, pool));
+    let acts_0 = mats.iter().any(|w| !w.ty.k_quant()).then(|| quantize_rows(x, m, k, false, isa, pool));
+    // Tasks: contiguous row ranges of each matrix, about 8 per thread in all (decode) or row tiles
+    // small enough for their weights to stay in L2 while every activation row passes (prompts).
+    let total_rows: usize = mats.iter().map(|w| w.rows).sum();
+    let chunk = if m == 1 { (total_rows / (8 * pool.threads())).clamp(16, 512) } else { 16 };
+    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+    for (i, w) in mats.iter().enumerate() {
+        let mut r = 0;
+        while r < w.rows {
+            let end = (r + chunk).min(w.rows);
+            tasks.push((i, r, end));
+            r = end;
+        }
+    }
+    let out_ptrs: Vec<SendPtr<f32>> = outs.iter_mut().map(|o| SendPtr(o.as_mut_ptr())).collect();
+    let task = |t: usize| {
+        let (i, r0, r1) = tasks[t];
+        let w = mats[i];
+        let acts = if w.ty.k_quant() { acts_k.as_ref() } else { acts_0.as_ref() }.expect("quantized above for this format");
+        let out = out_ptrs[i];
+        let n = w.rows;
+        // SAFETY: each task writes the entries (a, r) for its own rows r0..r1 only; `outs` outlives the job.
+        let put = |a: usize, r: usize, v: f32| unsafe { *out.get().add(a * n + r) = v };
+        // Activation rows in groups of 4 per unpacked weight block (8 measured no faster, even with
+        // AVX-512's 32 registers); the tail runs with the group size it needs.
+        let group = if isa == Isa::Portable { 1 } else { 4 };
+        macro_rules! rows {
+            ($n:literal, $a:expr) => {{
+                let a = $a;
+                for r in r0..r1 {
+                    let v = dot_rows::<$n>(w, r, acts, std::array::from_fn(|j| a + j), isa);
+                    (0..$n).for_each(|j| put(a + j, r, v[j]));
+                }
+            }};
+        }
+        let mut a = 0;
+        while a < m {
+            let n = (m - a).min(group);
+            match n {
+                8 => rows!(8, a),
+                7 => rows!(7, a),
+                6 => rows!(6, a),
+                5 => rows!(5, a),
+                4 => rows!(4, a),
+                3 => rows!(3, a),
+                2 => rows!(2, a),
+                _ => rows!(1, a),
+            }
+            a += n;
+        }
+    };
+    pool.run(tasks.len(), &task);
+}
+
+/// `x W^T (+ bias)` for one matrix, as a candle op on a `(.., k)` f32 tensor.
+pub struct QMatMulOp {
+    pub weight: Arc<QMatrix>,
+}
+
+/// Applies several matrices sharing one input, returning one tensor per matrix.
+pub fn forward_many(mats: &[&Arc<QMatrix>], x: &Tensor) -> candle_core::Result<Vec<Tensor>> {
+    let dims = x.dims().to_vec();
+    let k = *dims.last().ok_or_else(|| candle_core::Error::Msg("matmul input has no dimensions".into()))?;
+    let x = x.to_dtype(candle_core::DType::F32)?.contiguous()?;
+    let m = x.elem_count() / k.max(1);
+    let (storage, layout) = x.storage_and_layout();
+    let candle_core::Storage::Cpu(CpuStorage::F32(data)) = &*storage else {
+        return Err(candle_core::Error::Msg("quantized kernels run on CPU f32 tensors".into()));
+    };
+    let xs = &data[layout.start_offset()..layout.start_offset() + m * k];
+    let mut bufs: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.rows]).collect();
+    {
+        let mut outs: Vec<&mut [f32]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+        let ws: Vec<&QMatrix> = mats.iter().map(|w| w.as_ref()).collect();
+        for w in &ws {
+            if w.cols != k {
+                return Err(candle_core::Error::Msg(format!("matmul input has {k} columns, the matrix {}", w.cols)));
+            }
+        }
+        matmul_many(&ws, xs, m, &mut outs, Isa::Auto, pool::global());
+    }
+    drop(storage);
+    bufs.into_iter()
+        .zip(mats)
+        .map(|(b, w)| {
+            let mut shape = dims.clone();
+            *shape.last_mut().expect("checked above") = w.rows;
+            Tensor::from_vec(b, shape, x.device())
+        })
+        .collect()
+}
+
+impl CustomOp1 for QMatMulOp {
+    fn name(&self) -> &'static str {
+        "shoal-qmatmul"
+    }
+
+    fn cpu_fwd(&self, storage: &CpuStorage, layout: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let CpuStorage::F32(data) = storage else {
+            return Err(candle_core::Error::Msg("quantized kernels take f32 input".into()));
+        };
+        let Some(xs) = layout.contiguous_offsets().map(|(a, b)| &data[a..b]) else {
+            return Err(candle_core::Error::Msg("quantized kernels take contiguous input".into()));
+        };
+        let mut dims = layout.dims().to_vec();
+        let k = *dims.last().unwrap_or(&0);
+        if k != self.weight.cols {
+            return Err(candle_core::Error::Msg(format!("matmul input has {k} columns, the matrix {}", self.weight.cols)));
+        }
+        let m = xs.len() / k;
+        let mut out = vec![0f32; m * self.weight.rows];
+        matmul_many(&[&self.weight], xs, m, &mut [&mut out], Isa::Auto, pool::global());
+        *dims.last_mut().expect("k read above") = self.weight.rows;
+        Ok((CpuStorage::F32(out), Shape::from(dims)))
+    }
+}

@@ -1,0 +1,157 @@
+//! shoal's quantized kernels against their references: for every weight format the models use
+//! (Q4_K, Q6_K, Q8_0, Q5_0), row dequantization equals candle's, every implementation (portable,
+//! and AVX2 / AVX-512 where the CPU has them) agrees with the portable one for 1..9 activation rows, and the
+//! result stays within the 8-bit activation error of the f32 product of the dequantized matrix.
+//! Activation quantization is bit-identical across implementations; the pool runs each task once.
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+use rand::{Rng, SeedableRng};
+use shoal::engine::kernels::act::{self, Q8K, Q8_0};
+use shoal::engine::kernels::pool::Pool;
+use shoal::engine::kernels::{matmul_many, Isa, QMatrix};
+
+const TYPES: [GgmlDType; 4] = [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q8_0, GgmlDType::Q5_0];
+
+fn isas() -> Vec<Isa> {
+    let mut v = vec![Isa::Portable];
+    #[cfg(target_arch = "x86_64")]
+    if shoal::engine::kernels::x86::has_avx2() {
+        v.push(Isa::Avx2);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if shoal::engine::kernels::x86::has_avx512() {
+        v.push(Isa::Avx512);
+    }
+    v
+}
+
+fn random(rng: &mut rand::rngs::StdRng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| (rng.random::<f32>() - 0.5) * 2.0 * scale).collect()
+}
+
+fn quantized(dtype: GgmlDType, rows: usize, cols: usize, seed: u64) -> (QTensor, QMatrix) {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let w = Tensor::from_vec(random(&mut rng, rows * cols, 0.1), (rows, cols), &Device::Cpu).unwrap();
+    let q = QTensor::quantize(&w, dtype).unwrap();
+    let m = QMatrix::from_qtensor(&q).unwrap().expect("a supported format");
+    (q, m)
+}
+
+fn reference_f32(w: &[f32], x: &[f32], m: usize, rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0f32; m * rows];
+    for a in 0..m {
+        for r in 0..rows {
+            out[a * rows + r] = (0..cols).map(|c| x[a * cols + c] as f64 * w[r * cols + c] as f64).sum::<f64>() as f32;
+        }
+    }
+    out
+}
+
+#[test]
+fn dequantized_rows_equal_candle_for_every_format() {
+    for dtype in TYPES {
+        let (q, m) = quantized(dtype, 8, 512, 1);
+        let ours = m.dequantize();
+        let theirs = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(ours, theirs, "{dtype:?}");
+    }
+}
+
+#[test]
+fn every_kernel_agrees_with_the_reference_for_every_format() {
+    let pool = Pool::new(2);
+    let (rows, cols) = (37, 768);
+    for dtype in TYPES {
+        let (_, w) = quantized(dtype, rows, cols, 2);
+        let wf = w.dequantize();
+        for m in [1usize, 2, 3, 4, 5, 7, 9] {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(m as u64);
+            let x = random(&mut rng, m * cols, 1.0);
+            let exact = reference_f32(&wf, &x, m, rows, cols);
+            let max = exact.iter().fold(0f32, |a, v| a.max(v.abs()));
+            let mut portable = vec![0f32; m * rows];
+            matmul_many(&[&w], &x, m, &mut [&mut portable], Isa::Portable, &pool);
+            // 8-bit activations: the product stays within a few percent of the largest output.
+            let err = exact.iter().zip(&portable).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(err <= 0.03 * max, "{dtype:?} m={m}: error {err} against max {max}");
+            // candle's own quantized matmul quantizes activations the same way.
+            let xt = Tensor::from_vec(x.clone(), (m, cols), &Device::Cpu).unwrap();
+            let theirs = QMatMul::from_qtensor(quantized(dtype, rows, cols, 2).0).unwrap();
+            let theirs = theirs.forward(&xt).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let diff = theirs.iter().zip(&portable).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(diff <= 1e-4 * max.max(1.0), "{dtype:?} m={m}: portable vs candle differ by {diff}");
+            for isa in isas() {
+                let mut out = vec![0f32; m * rows];
+                matmul_many(&[&w], &x, m, &mut [&mut out], isa, &pool);
+                let diff = out.iter().zip(&portable).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(diff <= 1e-5 * max.max(1.0), "{dtype:?} m={m} {isa:?}: differs from portable by {diff}");
+            }
+        }
+    }
+}
+
+#[test]
+fn grouped_matrices_equal_separate_ones() {
+    let pool = Pool::new(2);
+    let cols = 512;
+    let mats: Vec<QMatrix> = TYPES.iter().enumerate().map(|(i, &t)| quantized(t, 20 + 3 * i, cols, 10 + i as u64).1).collect();
+    let refs: Vec<&QMatrix> = mats.iter().collect();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+    for m in [1usize, 6] {
+        let x = random(&mut rng, m * cols, 1.0);
+        let mut together: Vec<Vec<f32>> = mats.iter().map(|w| vec![0f32; m * w.rows]).collect();
+        let mut outs: Vec<&mut [f32]> = together.iter_mut().map(|v| v.as_mut_slice()).collect();
+        matmul_many(&refs, &x, m, &mut outs, Isa::Auto, &pool);
+        for (w, t) in mats.iter().zip(&together) {
+            let mut alone = vec![0f32; m * w.rows];
+            matmul_many(&[w], &x, m, &mut [&mut alone], Isa::Auto, &pool);
+            assert_eq!(&alone, t, "{:?}", w.ty);
+        }
+    }
+}
+
+#[test]
+fn activation_quantization_is_identical_across_implementations() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut x = random(&mut rng, 4096, 3.0);
+    // Exact halves after scaling, ties in magnitude with opposite signs, and an all-zero block.
+    x[3] = -3.0;
+    x[9] = 3.0;
+    x[300] = 0.5;
+    x[512..768].iter_mut().for_each(|v| *v = 0.0);
+    let mut a = vec![Q8K::default(); 16];
+    let mut b = vec![Q8K::default(); 16];
+    act::quantize_q8k_portable(&x, &mut a);
+    act::quantize_q8k(&x, &mut b);
+    for (p, q) in a.iter().zip(&b) {
+        assert_eq!((p.d, p.qs, p.bsums), (q.d, q.qs, q.bsums));
+    }
+    let mut a = vec![Q8_0::default(); 128];
+    let mut b = vec![Q8_0::default(); 128];
+    act::quantize_q8_0_portable(&x, &mut a);
+    act::quantize_q8_0(&x, &mut b);
+    for (p, q) in a.iter().zip(&b) {
+        assert_eq!((p.d, p.qs), (q.d, q.qs));
+    }
+}
+
+#[test]
+fn the_pool_runs_every_task_exactly_once() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let pool = Pool::new(3);
+    for tasks in [0usize, 1, 2, 5, 64, 1000] {
+        let hits: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
+        pool.run(tasks, &|i| {
+            hits[i].fetch_add(1, Ordering::Relaxed);
+        });
+        assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "{tasks} tasks");
+    }
+    // After an idle spell the workers sleep, and wake for the next job.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let count = AtomicUsize::new(0);
+    pool.run(10, &|_| {
+        count.fetch_add(1, Ordering::Relaxed);
+    });
+    assert_eq!(count.load(Ordering::Relaxed), 10);
+}
