@@ -14,12 +14,17 @@ use shoal::api::{ApiConfig, NodeInfo, Server};
 use shoal::engine::{GenerationEvent, GenerationRequest, LoadOptions, LoadedModel, SamplingParams};
 use tokio_util::sync::CancellationToken;
 
+mod models_cmd;
+
 #[derive(Parser)]
 #[command(name = "shoal", version, about = "peer-to-peer LLM inference swarm")]
 #[command(args_conflicts_with_subcommands = true)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
+    /// Where the node keeps its key and models (default: the platform's data dir + /shoal).
+    #[arg(long, global = true)]
+    data_dir: Option<PathBuf>,
     /// With no subcommand, `shoal [options]` is `shoal serve [options]`.
     #[command(flatten)]
     serve: ServeArgs,
@@ -31,6 +36,8 @@ enum Command {
     Run(RunArgs),
     /// Start the node: the OpenAI-compatible API and the web UI on one port (the default).
     Serve(ServeArgs),
+    /// List, pull, remove and import models; share them with peers.
+    Models(models_cmd::ModelsArgs),
 }
 
 #[derive(clap::Args)]
@@ -41,9 +48,6 @@ struct ServeArgs {
     /// Address to listen on (0.0.0.0: every interface).
     #[arg(long, default_value = "0.0.0.0")]
     host: std::net::IpAddr,
-    /// Where the node keeps its key and models (default: the platform's data dir + /shoal).
-    #[arg(long)]
-    data_dir: Option<PathBuf>,
     /// A model (GGUF file or model directory) to load at start.
     #[arg(long)]
     model: Option<PathBuf>,
@@ -66,7 +70,7 @@ struct ServeArgs {
 
 #[derive(clap::Args)]
 struct RunArgs {
-    /// A GGUF file or a Hugging Face model directory.
+    /// A GGUF file, a Hugging Face model directory, or the id of a model in the store.
     #[arg(long)]
     model: PathBuf,
     /// The prompt text.
@@ -108,9 +112,10 @@ fn main() -> std::process::ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Some(Command::Run(args)) => run(args),
-        Some(Command::Serve(args)) => serve(args),
-        None => serve(cli.serve),
+        Some(Command::Run(args)) => run(args, cli.data_dir),
+        Some(Command::Serve(args)) => serve(args, cli.data_dir),
+        Some(Command::Models(args)) => data_dir(cli.data_dir).and_then(|d| models_cmd::run(args, &d)),
+        None => serve(cli.serve, cli.data_dir),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -121,7 +126,7 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn run(args: RunArgs) -> anyhow::Result<()> {
+fn run(mut args: RunArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> {
     let t0 = std::time::Instant::now();
     let prompt_text = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => p.clone(),
@@ -129,6 +134,13 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         (None, Some(f)) => std::fs::read_to_string(f).with_context(|| format!("reading the prompt from {}", f.display()))?,
         (None, None) => anyhow::bail!("give --prompt or --prompt-file"),
     };
+    if !args.model.exists() {
+        // Not a path: a model id of this node's store.
+        let id = args.model.to_string_lossy().into_owned();
+        let store = shoal::models::Store::open(&data_dir(data_dir_flag)?, vec![]);
+        args.model = store.find(&id).map(|m| m.path).with_context(|| format!("{id}: no such file, and no model with this id here (see `shoal models list`)"))?;
+    }
+    models_cmd::read_with_progress(&args.model);
     let opts = LoadOptions { context_limit: args.context, ..LoadOptions::default() };
     let model = LoadedModel::load(&args.model, &opts).with_context(|| format!("loading {}", args.model.display()))?;
     eprintln!(
@@ -177,11 +189,16 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let data_dir = match args.data_dir {
-        Some(d) => d,
-        None => dirs::data_dir().context("no platform data directory: pass --data-dir")?.join("shoal"),
-    };
+/// `--data-dir`, or the platform's data directory + `/shoal`.
+fn data_dir(flag: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    match flag {
+        Some(d) => Ok(d),
+        None => Ok(dirs::data_dir().context("no platform data directory: pass --data-dir")?.join("shoal")),
+    }
+}
+
+fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> {
+    let data_dir = data_dir(data_dir_flag)?;
     let key = shoal::identity::load_or_create(&data_dir)?;
     let node = NodeInfo {
         id: shoal::identity::node_id(&key),

@@ -5,7 +5,6 @@
 //! (the scheduler's engine thread does). See docs/api.md for the contract.
 
 pub mod assets;
-pub mod catalogue;
 pub mod error;
 pub mod generation;
 pub mod metrics;
@@ -29,7 +28,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::engine::probe::MachineProfile;
 use crate::engine::LoadOptions;
-use catalogue::{Catalogue, LocalModel};
+use crate::models::store::{any_model_path, inspect};
+use crate::models::{LocalModel, Progress, Store};
 use error::ApiError;
 use metrics::Metrics;
 use scheduler::{SchedulerConfig, SchedulerHandle};
@@ -88,7 +88,10 @@ pub struct App {
     pub(crate) node: NodeInfo,
     pub(crate) config: ApiConfig,
     pub(crate) scheduler: SchedulerHandle,
-    pub(crate) catalogue: Catalogue,
+    /// The models on disk (shared with the peer-copy server when the swarm runs).
+    pub(crate) store: Arc<Store>,
+    /// Downloads and peer copies in progress, shown in `/v1/cluster` `downloads`.
+    pub(crate) progress: Progress,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) machine: MachineProfile,
     pub(crate) addresses: Vec<String>,
@@ -106,7 +109,7 @@ impl App {
             return Ok(m.clone());
         }
         let app = self.clone();
-        let local = tokio::task::spawn_blocking(move || app.catalogue.scan()).await.unwrap_or_default();
+        let local = tokio::task::spawn_blocking(move || app.store.scan()).await.unwrap_or_default();
         match local.iter().find(|m| m.id == name) {
             Some(m) if current.is_some_and(|c| c.path == m.path) => Ok(current.cloned().unwrap_or_else(|| m.clone())),
             Some(m) => self.check_fits(m).map(|_| m.clone()),
@@ -135,17 +138,17 @@ impl Server {
         let bound = listener.local_addr().map_err(|source| ServeError::Bind { addr: config.listen, source })?;
         let machine = tokio::task::spawn_blocking(crate::engine::probe::measure).await.map_err(|e| ServeError::Probe(e.to_string()))?.map_err(|e| ServeError::Probe(e.to_string()))?;
         let preload = match &config.preload {
-            Some(path) => Some(catalogue::inspect(path).or_else(|| catalogue::any_model_path(path)).ok_or_else(|| ServeError::NoModel(path.clone()))?),
+            Some(path) => Some(inspect(path).or_else(|| any_model_path(path)).ok_or_else(|| ServeError::NoModel(path.clone()))?),
             None => None,
         };
-        let catalogue = Catalogue::new(&config.data_dir, preload.iter().map(|m| m.path.clone()).collect());
+        let store = Arc::new(Store::open(&config.data_dir, preload.iter().map(|m| m.path.clone()).collect()));
         let metrics = Arc::new(Metrics::new());
         let scheduler_token = shutdown.child_token();
         let load_options = LoadOptions { context_limit: config.context, ..LoadOptions::default() };
         let scheduler_config = SchedulerConfig { max_queue: config.max_queue, queue_timeout: config.queue_timeout, load_options };
         let (scheduler, scheduler_task) = SchedulerHandle::spawn(scheduler_config, metrics.clone(), scheduler_token.clone());
         let addresses = tokio::task::spawn_blocking(move || node_view::listen_addresses(bound)).await.unwrap_or_else(|_| vec![bound.to_string()]);
-        let app = Arc::new(App { node, config, scheduler, catalogue, metrics, machine, addresses });
+        let app = Arc::new(App { node, config, scheduler, store, progress: Progress::default(), metrics, machine, addresses });
         if let Some(model) = preload {
             app.check_fits(&model).map_err(ServeError::TooLarge)?;
             app.scheduler.load(model);
@@ -159,6 +162,17 @@ impl Server {
 
     pub fn machine(&self) -> MachineProfile {
         self.app.machine
+    }
+
+    /// The node's model store, to share with the peer-copy server (`models::peer::serve`).
+    pub fn store(&self) -> Arc<Store> {
+        self.app.store.clone()
+    }
+
+    /// The node's download progress registry: pulls started elsewhere (the swarm) that report
+    /// on it show in `/v1/cluster` `downloads`.
+    pub fn progress(&self) -> Progress {
+        self.app.progress.clone()
     }
 
     /// Serves until `shutdown` is cancelled, then closes gracefully within the configured

@@ -1,6 +1,6 @@
 //! What this node says about itself: `/v1/models` (loaded and local models, and whether each
 //! fits the memory offered), `/v1/models/load`, `/v1/cluster` (one node, its measured figures,
-//! and its single-stage plan) and `/health`. Memory comes from the OS, capped by
+//! its single-stage plan and its downloads) and `/health`. Memory comes from the OS, capped by
 //! `--memory-limit`. It holds no state of its own: it reads the scheduler's published view.
 
 use std::net::{IpAddr, SocketAddr};
@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::catalogue::LocalModel;
+use crate::models::LocalModel;
 use super::error::ApiError;
 use super::scheduler::SchedulerState;
 use super::App;
@@ -62,7 +62,7 @@ impl App {
             let state = app.scheduler.state();
             let loaded = state.loaded.as_ref().map(|l| &l.model);
             let room = app.room_for_a_model(&state);
-            let mut models = app.catalogue.scan();
+            let mut models = app.store.scan();
             if let Some(l) = loaded {
                 models.retain(|m| m.path != l.path);
                 models.insert(0, l.clone());
@@ -71,7 +71,7 @@ impl App {
                 .iter()
                 .map(|m| {
                     let is_loaded = loaded.is_some_and(|l| l.path == m.path);
-                    let details = app.catalogue.details(m);
+                    let details = app.store.details(m);
                     let created = std::fs::metadata(&m.path).and_then(|md| md.modified()).ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_secs());
                     json!({
                         "id": m.id, "object": "model", "created": created, "owned_by": "shoal",
@@ -154,8 +154,26 @@ pub async fn cluster(State(app): State<Arc<App>>) -> Json<Value> {
         "links": [],
         "plans": plans,
         "progress": progress,
+        "downloads": downloads(&app),
         "error": state.last_error,
     }))
+}
+
+/// `/v1/cluster` `downloads`: this node's pulls and peer copies (running, or ended within
+/// the last 30 s), from the progress registry.
+pub fn downloads(app: &App) -> Vec<Value> {
+    let me = &app.node.id;
+    app.progress
+        .snapshot()
+        .into_iter()
+        .map(|t| {
+            json!({
+                "node": me, "model": t.model, "phase": t.phase, "source": t.source, "file": t.file,
+                "bytes_done": t.bytes_done, "bytes_total": t.bytes_total, "fraction": t.fraction,
+                "bytes_per_s": t.bytes_per_s, "error": t.error,
+            })
+        })
+        .collect()
 }
 
 /// The addresses a client can reach this listener on: every interface's address when bound to
