@@ -51,7 +51,8 @@ fn hub_only(hub: &FakeHub) -> Sources {
 
 fn pull(store: &Store, req: &PullRequest, sources: &Sources) -> Result<models::PullOutcome, ModelsError> {
     runtime().block_on(async {
-        let run = models::pull(store, req, sources, &Progress::default(), &CancellationToken::new());
+        let (progress, cancel) = (Progress::default(), CancellationToken::new());
+        let run = models::pull(store, req, sources, &progress, &cancel);
         tokio::time::timeout(Duration::from_secs(60), run).await.expect("a pull finishes within 60 s")
     })
 }
