@@ -7,6 +7,7 @@
 //! of the fetch script's cache). Prints MB/s and ratios; asserts nothing.
 
 #[path = "../tests/models/hub_server.rs"]
+#[allow(dead_code)] // the tests use more of the fake hub than the benchmark
 mod hub_server;
 
 use std::path::{Path, PathBuf};
@@ -76,11 +77,11 @@ fn main() -> anyhow::Result<()> {
 
     // Peer copy over libp2p vs raw TCP on loopback.
     let (p, r) = rt.block_on(peer_vs_tcp(&file, size, work.path()))?;
-    println!("peer copy: libp2p {:.0} MB/s (TCP+noise+yamux, 1 MiB chunks, 8 in flight, with sha256), raw TCP {:.0} MB/s; ratio {:.2}", mb / p, mb / r, r / p);
+    println!("peer copy: libp2p {:.0} MB/s (TCP+noise+yamux, {} KiB chunks, {} in flight, with sha256), raw TCP {:.0} MB/s; ratio {:.2}", mb / p.0, p.1 >> 10, p.2, mb / r, r / p.0);
     Ok(())
 }
 
-async fn peer_vs_tcp(file: &Path, size: u64, work: &Path) -> anyhow::Result<(f64, f64)> {
+async fn peer_vs_tcp(file: &Path, size: u64, work: &Path) -> anyhow::Result<((f64, u32, usize), f64)> {
     let cancel = CancellationToken::new();
     let serve_dir = work.join("a");
     std::fs::create_dir_all(serve_dir.join("models/bench-model"))?;
@@ -112,7 +113,14 @@ async fn peer_vs_tcp(file: &Path, size: u64, work: &Path) -> anyhow::Result<(f64
     while !b.connected_peers().await?.iter().any(|(p, _)| *p == a.local_peer_id()) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let source = PeerSource::new(b.clone(), vec![a.local_peer_id()]);
+    let mut source = PeerSource::new(b.clone(), vec![a.local_peer_id()]);
+    // Tuning knobs for experiments: chunk bytes and requests in flight.
+    if let Some(c) = std::env::var("BENCH_CHUNK").ok().and_then(|v| v.parse().ok()) {
+        source.chunk = c;
+    }
+    if let Some(w) = std::env::var("BENCH_WINDOW").ok().and_then(|v| v.parse().ok()) {
+        source.window = w;
+    }
     let mut peer = Vec::new();
     for i in 0..RUNS {
         let dest = work.join(format!("peer-{i}.gguf"));
@@ -164,5 +172,5 @@ async fn peer_vs_tcp(file: &Path, size: u64, work: &Path) -> anyhow::Result<(f64
         std::fs::remove_file(&dest)?;
     }
     cancel.cancel();
-    Ok((best(&peer), best(&raw)))
+    Ok(((best(&peer), source.chunk, source.window), best(&raw)))
 }

@@ -334,6 +334,25 @@ async fn serve_lies(net: NetHandle, store: Arc<Store>, model: String) {
     }
 }
 
+/// A peer that lists a real model and then vanishes (its swarm stops) at the first read.
+async fn serve_then_vanish(net: NetHandle, store: Arc<Store>, model: String, vanish: CancellationToken) {
+    let mut requests = net.serve_files(64).await.unwrap();
+    let servable = store.servable(&model).unwrap();
+    while let Some(r) = requests.recv().await {
+        match r.request.body {
+            Some(file_request::Body::List(_)) => {
+                let files = servable.manifest.files.iter().map(|f| v1::FileEntry { path: f.path.clone(), size: f.size, sha256: f.sha256.clone() }).collect();
+                let list = v1::FileList { model: model.clone(), repo: String::new(), revision: String::new(), files };
+                let _ = r.reply.send(v1::FileResponse { version: shoal_proto::WIRE_VERSION, body: Some(file_response::Body::List(list)) });
+            }
+            _ => {
+                vanish.cancel();
+                return;
+            }
+        }
+    }
+}
+
 #[test]
 fn a_second_node_copies_from_the_first_without_the_hub_and_a_lying_peer_is_detected() {
     let hub = FakeHub::start();
@@ -391,6 +410,18 @@ fn a_second_node_copies_from_the_first_without_the_hub_and_a_lying_peer_is_detec
                 assert_eq!(sha256_file(&outcome.dir.join(&f.path)).unwrap(), f.sha256);
             }
 
+            // Node E asks a peer that vanishes mid-copy, then A: the copy completes from A.
+            let vanishing = Peer::start(vec![]).await;
+            tokio::spawn(serve_then_vanish(vanishing.net.clone(), store_a.clone(), a_outcome.model.id.clone(), vanishing.cancel.clone()));
+            let e = Peer::start(vec![vanishing.addr.clone(), a.addr.clone()]).await;
+            e.connected_to(&[vanishing.id(), a.id()]).await;
+            hub.reset_counters();
+            let dir_e = tempfile::tempdir().unwrap();
+            let sources = Sources { hub: Some(hub_client(&hub, None)), peers: Some(PeerSource::new(e.net.clone(), vec![vanishing.id(), a.id()])) };
+            let outcome = models::pull(&store(dir_e.path()), &req, &sources, &progress, &cancel).await.unwrap();
+            assert_eq!((outcome.from_peers, outcome.from_hub, hub.requests()), (total, 0, 0));
+            assert_eq!(outcome.peers_used, vec![a.id()]);
+
             // With the liar only and no hub, the pull fails and says why.
             let dir_d = tempfile::tempdir().unwrap();
             let sources = Sources { hub: None, peers: Some(PeerSource::new(c.net.clone(), vec![liar.id()])) };
@@ -404,5 +435,91 @@ fn a_second_node_copies_from_the_first_without_the_hub_and_a_lying_peer_is_detec
         })
         .await
         .expect("the peer-copy test finishes within 60 s");
+    });
+}
+
+/// Reads the API port from `shoal serve`'s start-up line on stderr.
+fn api_port(child: &mut std::process::Child) -> u16 {
+    use std::io::BufRead;
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(rest) = line.split("http://").nth(1) {
+                let port = rest.trim_end_matches('/').rsplit(':').next().and_then(|p| p.parse::<u16>().ok());
+                if let Some(p) = port {
+                    let _ = tx.send(p);
+                }
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(30)).expect("shoal serve prints its address within 30 s")
+}
+
+#[test]
+fn a_pull_through_the_api_shows_its_progress_in_the_cluster_view() {
+    let hub = FakeHub::start();
+    let files = hub.add_dir("test/tiny-qwen2", &fixture("qwen2"));
+    hub.add_repo("acme/gated-model", true, &[("config.json", &fixture("qwen2").join("config.json"))]);
+    let total: u64 = files.iter().filter(|f| f.name != "reference.json").map(|f| f.size).sum();
+    // Slow enough (a few seconds) that a poll sees the download half-way.
+    hub.knobs(|k| k.rate = Some(400_000));
+    let data = tempfile::tempdir().unwrap();
+    let mut child = Command::new(shoal_bin())
+        .args(["serve", "--host", "127.0.0.1", "--api-port", "0", "--data-dir"])
+        .arg(data.path())
+        .env("HF_ENDPOINT", hub.url())
+        .env("HF_HOME", data.path().join("hf-home"))
+        .env_remove("HF_TOKEN")
+        .env_remove("SHOAL_MODELS")
+        .env("SHOAL_MODEL_CACHE", data.path().join("no-cache"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let port = api_port(&mut child);
+    let _child = Kill(child);
+    let base = format!("http://127.0.0.1:{port}");
+    runtime().block_on(async {
+        let client = reqwest::Client::new();
+        let post = |model: &str| client.post(format!("{base}/v1/models/pull")).body(format!(r#"{{"model": "{model}"}}"#)).send();
+        let r = post("test/tiny-qwen2").await.unwrap();
+        assert_eq!(r.status().as_u16(), 202);
+        let r = post("acme/gated-model").await.unwrap();
+        assert_eq!(r.status().as_u16(), 202);
+        let bad = client.post(format!("{base}/v1/models/pull")).body(r#"{"model": 3}"#).send().await.unwrap();
+        assert_eq!(bad.status().as_u16(), 400);
+        let (mut half_way, mut done, mut failed) = (false, false, false);
+        let start = Instant::now();
+        while !(done && failed) {
+            assert!(start.elapsed() < Duration::from_secs(30), "the pulls did not end within 30 s (half-way seen: {half_way})");
+            let cluster: serde_json::Value = client.get(format!("{base}/v1/cluster")).send().await.unwrap().json().await.unwrap();
+            for d in cluster["downloads"].as_array().expect("downloads is an array") {
+                match (d["model"].as_str(), d["phase"].as_str()) {
+                    (Some("tiny-qwen2"), Some("downloading")) => half_way |= d["fraction"].as_f64().is_some_and(|f| f > 0.0 && f < 1.0) && d["source"] == "hub",
+                    (Some("tiny-qwen2"), Some("done")) => {
+                        assert_eq!((d["bytes_done"].as_u64(), d["bytes_total"].as_u64(), d["fraction"].as_f64()), (Some(total), Some(total), Some(1.0)));
+                        done = true;
+                    }
+                    (Some("gated-model"), Some("failed")) => {
+                        assert!(d["error"].as_str().unwrap().contains("HF_TOKEN"), "{d}");
+                        failed = true;
+                    }
+                    (_, Some("failed")) => panic!("unexpected failure: {d}"),
+                    _ => {}
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(half_way, "a poll saw the download part-way with its fraction");
+        let models: serde_json::Value = client.get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();
+        assert!(models["data"].as_array().unwrap().iter().any(|m| m["id"] == "tiny-qwen2"), "{models}");
     });
 }

@@ -9,6 +9,7 @@ pub mod error;
 pub mod generation;
 pub mod metrics;
 pub mod node_view;
+pub mod pulls;
 pub mod request;
 pub mod scheduler;
 
@@ -92,6 +93,12 @@ pub struct App {
     pub(crate) store: Arc<Store>,
     /// Downloads and peer copies in progress, shown in `/v1/cluster` `downloads`.
     pub(crate) progress: Progress,
+    /// Names being pulled through `/v1/models/pull` (a second request joins the first).
+    pub(crate) pulls: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Cancelled when the server stops: ends running pulls (their partial files stay).
+    pub(crate) pull_cancel: CancellationToken,
+    /// The swarm, once attached: pulls copy from its connected peers before the hub.
+    pub(crate) net: std::sync::Mutex<Option<crate::net::NetHandle>>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) machine: MachineProfile,
     pub(crate) addresses: Vec<String>,
@@ -148,7 +155,8 @@ impl Server {
         let scheduler_config = SchedulerConfig { max_queue: config.max_queue, queue_timeout: config.queue_timeout, load_options };
         let (scheduler, scheduler_task) = SchedulerHandle::spawn(scheduler_config, metrics.clone(), scheduler_token.clone());
         let addresses = tokio::task::spawn_blocking(move || node_view::listen_addresses(bound)).await.unwrap_or_else(|_| vec![bound.to_string()]);
-        let app = Arc::new(App { node, config, scheduler, store, progress: Progress::default(), metrics, machine, addresses });
+        let pulls = Default::default();
+        let app = Arc::new(App { node, config, scheduler, store, progress: Progress::default(), pulls, pull_cancel: shutdown.child_token(), net: Default::default(), metrics, machine, addresses });
         if let Some(model) = preload {
             app.check_fits(&model).map_err(ServeError::TooLarge)?;
             app.scheduler.load(model);
@@ -167,6 +175,11 @@ impl Server {
     /// The node's model store, to share with the peer-copy server (`models::peer::serve`).
     pub fn store(&self) -> Arc<Store> {
         self.app.store.clone()
+    }
+
+    /// Lets `/v1/models/pull` copy from this network's connected peers before the hub.
+    pub fn attach_net(&self, net: crate::net::NetHandle) {
+        *self.app.net.lock().unwrap_or_else(|p| p.into_inner()) = Some(net);
     }
 
     /// The node's download progress registry: pulls started elsewhere (the swarm) that report
@@ -218,6 +231,7 @@ fn router(app: Arc<App>) -> Router {
         .route("/completions", post(generation::completions))
         .route("/models", get(node_view::list_models))
         .route("/models/load", post(node_view::load_model))
+        .route("/models/pull", post(pulls::pull_model))
         .route("/models/{id}", get(node_view::get_model))
         .route("/cluster", get(node_view::cluster))
         .fallback(|req: Request| async move { ApiError::NoRoute(req.uri().path().to_string()) })
