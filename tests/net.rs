@@ -58,6 +58,7 @@ fn advert(id: PeerId) -> NodeAdvert {
         addresses: vec![],
         wants: vec![],
         plan: None,
+        held: vec![],
     }
 }
 

@@ -34,6 +34,7 @@ fn advert(i: usize, rng: &mut StdRng) -> NodeAdvert {
         addresses: vec![],
         wants: vec![],
         plan: None,
+        held: vec![],
     }
 }
 

@@ -57,6 +57,7 @@ async fn start_node(name: &str, memory_offered: u64, peers: Vec<Multiaddr>, mode
         addresses: vec![addr.to_string()],
         wants: vec![],
         plan: None,
+        held: vec![],
     };
     let config = SwarmConfig {
         data_dir: dir.path().to_path_buf(),

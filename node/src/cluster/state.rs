@@ -59,6 +59,8 @@ pub struct NodeAdvert {
     pub wants: Vec<ModelFootprint>,
     /// The plan this node has in force, so that plans spread even when messages are lost.
     pub plan: Option<Plan>,
+    /// Models on this node's disk (ids), whole or in part: a source for peer copy.
+    pub held: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -300,5 +302,6 @@ fn placeholder(id: &str) -> NodeAdvert {
         addresses: vec![],
         wants: vec![],
         plan: None,
+        held: vec![],
     }
 }

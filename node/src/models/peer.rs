@@ -24,6 +24,7 @@ use super::hub::hash_prefix;
 use super::progress::Transfer;
 use super::store::{hex, FileRecord, Servable, Store};
 use super::ModelsError;
+use crate::cluster::NodeAdvert;
 use crate::net::files::error_response;
 use crate::net::{InboundFile, NetError, NetHandle};
 
@@ -118,6 +119,12 @@ fn read_at(path: &Path, offset: u64, len: usize) -> std::io::Result<Vec<u8>> {
         return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the file is shorter than its manifest says"));
     }
     Ok(data)
+}
+
+/// The peers whose latest adverts say they hold model `id` (`NodeAdvert::held`), for
+/// `PeerSource::peers`; the list of files itself is asked for over the wire.
+pub fn peers_holding<'a>(adverts: impl IntoIterator<Item = (&'a PeerId, &'a NodeAdvert)>, id: &str) -> Vec<PeerId> {
+    adverts.into_iter().filter(|(_, a)| a.held.iter().any(|h| h == id)).map(|(p, _)| *p).collect()
 }
 
 /// A peer's list of a model's files.

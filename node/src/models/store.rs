@@ -149,6 +149,11 @@ impl Store {
         found
     }
 
+    /// The ids of every model on disk, for `NodeAdvert::held`. Blocking file I/O.
+    pub fn held(&self) -> Vec<String> {
+        self.scan().into_iter().map(|m| m.id).collect()
+    }
+
     /// The model `id` names, if it is on disk.
     pub fn find(&self, id: &str) -> Option<LocalModel> {
         self.scan().into_iter().find(|m| m.id == id)
