@@ -316,6 +316,8 @@ impl HubClient {
                 }
             })
             .await?;
+        // An empty file never got a body written: make sure its part file exists.
+        tokio::fs::OpenOptions::new().create(true).append(true).open(part).await.map_err(io(part))?;
         let size = tokio::fs::metadata(part).await.map_err(io(part))?.len();
         let sha256 = hex(&hasher.finalize());
         if let Some(expected) = file.size.filter(|s| *s != size) {

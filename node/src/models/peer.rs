@@ -22,7 +22,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::hub::hash_prefix;
 use super::progress::Transfer;
-use super::store::{hex, FileRecord, Servable, Store};
+use super::store::{hex, is_safe_relative, FileRecord, Servable, Store};
 use super::ModelsError;
 use crate::cluster::NodeAdvert;
 use crate::net::files::error_response;
@@ -160,7 +160,7 @@ impl PeerSource {
         let asks = self.peers.iter().map(|peer| async move {
             let request = FileRequest { version: WIRE_VERSION, body: Some(file_request::Body::List(v1::ListFiles { model: id.to_string() })) };
             match self.net.file_request(*peer, request, self.deadline).await {
-                Ok(FileResponse { body: Some(file_response::Body::List(l)), .. }) if l.model == id => Some(PeerList {
+                Ok(FileResponse { body: Some(file_response::Body::List(l)), .. }) if l.model == id && l.files.iter().all(|f| is_safe_relative(&f.path)) => Some(PeerList {
                     peer: *peer,
                     repo: Some(l.repo).filter(|r| !r.is_empty()),
                     revision: Some(l.revision).filter(|r| !r.is_empty()),

@@ -20,7 +20,7 @@ use super::id::is_valid_id;
 use super::peer::{PeerList, PeerSource};
 use super::progress::{Phase, Progress, Transfer};
 use super::select::{self, INDEX_FILE};
-use super::store::{inspect, read_manifest, sha256_file, write_manifest, FileRecord, LocalModel, Manifest, Store, META_DIR};
+use super::store::{inspect, is_safe_relative, read_manifest, sha256_file, write_manifest, FileRecord, LocalModel, Manifest, Store, META_DIR};
 use super::ModelsError;
 
 /// The local name of a model's one GGUF file: a directory named by the id holding
@@ -283,6 +283,10 @@ impl Puller<'_> {
     async fn fetch_one(&self, w: Wanted) -> Result<(), ModelsError> {
         if self.done.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&w.local) {
             return Ok(());
+        }
+        // Names come from peers and the hub: never let one point outside the model's directory.
+        if !is_safe_relative(&w.local) {
+            return Err(ModelsError::Invalid(format!("{}: not a file name inside a model directory", w.local)));
         }
         let dest = self.dir.join(&w.local);
         if let Some(record) = self.verified_on_disk(&w, &dest).await? {

@@ -301,6 +301,12 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Whether `path` (from a peer or a hub listing) may name a file inside a model directory:
+/// relative, `/`-separated plain names, none empty, hidden (`.x`, so never `..`) or odd.
+pub fn is_safe_relative(path: &str) -> bool {
+    !path.is_empty() && path.len() <= 1024 && path.split('/').all(|part| !part.is_empty() && !part.starts_with('.') && !part.contains(['\\', ':']) && !part.chars().any(char::is_control))
+}
+
 /// The manifest of a model directory, if it has a readable one.
 pub fn read_manifest(dir: &Path) -> Option<Manifest> {
     let text = std::fs::read_to_string(dir.join(META_DIR).join(MANIFEST)).ok()?;
@@ -415,6 +421,10 @@ mod tests {
         let abc = "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad";
         assert_eq!(servable.manifest.file("model.safetensors").unwrap().sha256, abc);
         assert!(store.import(&outside).is_err(), "a second import of the same id is refused");
+        for bad in ["", "/etc/passwd", "../x.gguf", "a/../../b", ".shoal/manifest.json", "a//b", "c:\\x", "a\\..\\b"] {
+            assert!(!is_safe_relative(bad), "{bad:?}");
+        }
+        assert!(is_safe_relative("model.gguf") && is_safe_relative("sub/model-00001-of-00002.safetensors"));
         assert!(store.remove("frozen").is_err(), "read-only roots are never changed");
         assert!(ro.join("frozen.gguf").exists());
         store.remove("my-model").unwrap();
