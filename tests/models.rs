@@ -521,5 +521,8 @@ fn a_pull_through_the_api_shows_its_progress_in_the_cluster_view() {
         assert!(half_way, "a poll saw the download part-way with its fraction");
         let models: serde_json::Value = client.get(format!("{base}/v1/models")).send().await.unwrap().json().await.unwrap();
         assert!(models["data"].as_array().unwrap().iter().any(|m| m["id"] == "tiny-qwen2"), "{models}");
+        let catalogue: serde_json::Value = client.get(format!("{base}/v1/catalogue")).send().await.unwrap().json().await.unwrap();
+        let gemma = catalogue["data"].as_array().unwrap().iter().find(|m| m["id"] == "gemma3-270m").expect("the catalogue lists gemma3-270m");
+        assert_eq!((gemma["layers"].as_u64(), gemma["local"].as_bool(), gemma["variants"][0]["format"].as_str()), (Some(18), Some(false), Some("gguf")));
     });
 }

@@ -232,6 +232,7 @@ fn router(app: Arc<App>) -> Router {
         .route("/models", get(node_view::list_models))
         .route("/models/load", post(node_view::load_model))
         .route("/models/pull", post(pulls::pull_model))
+        .route("/catalogue", get(pulls::catalogue))
         .route("/models/{id}", get(node_view::get_model))
         .route("/cluster", get(node_view::cluster))
         .fallback(|req: Request| async move { ApiError::NoRoute(req.uri().path().to_string()) })

@@ -2,7 +2,8 @@
 //! (peers attached with `Server::attach_net` first, then the hub of `HF_ENDPOINT`/`HF_TOKEN`)
 //! and answers 202 at once; progress and failures show in `/v1/cluster` `downloads`. A second
 //! request for a name already being pulled joins it. Pulls stop when the server shuts down.
-//! It knows HTTP and JSON only; `models::pull` does the work.
+//! `GET /v1/catalogue` lists the models shoal knows before any download, each marked `local`
+//! when this node has it. It knows HTTP and JSON only; `models` does the work.
 
 use std::sync::Arc;
 
@@ -18,6 +19,20 @@ use super::App;
 use crate::models::hub::{HubClient, HubConfig};
 use crate::models::peer::PeerSource;
 use crate::models::{self, PullRequest, Sources};
+
+pub async fn catalogue(State(app): State<Arc<App>>) -> Json<Value> {
+    let store = app.store.clone();
+    let local = tokio::task::spawn_blocking(move || store.held()).await.unwrap_or_default();
+    let data: Vec<Value> = models::catalogue::MODELS
+        .iter()
+        .map(|m| {
+            let mut v = serde_json::to_value(m).unwrap_or(Value::Null);
+            v["local"] = Value::Bool(local.iter().any(|id| id == m.id));
+            v
+        })
+        .collect();
+    Json(json!({"object": "list", "data": data}))
+}
 
 pub async fn pull_model(State(app): State<Arc<App>>, body: Bytes) -> Result<Response, ApiError> {
     let v: Value = serde_json::from_slice(&body).map_err(|e| ApiError::InvalidJson(e.to_string()))?;

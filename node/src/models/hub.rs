@@ -242,6 +242,9 @@ impl HubClient {
         // several files share): shared references, so that every attempt's future can use them.
         let transferred = AtomicU64::new(0);
         let counted = AtomicU64::new(0);
+        // What the file's own response headers say (`X-Linked-Etag` is an LFS file's sha256,
+        // `X-Linked-Size` its size): used where the listing gave no hash or size.
+        let learned: std::sync::Mutex<(Option<String>, Option<u64>)> = Default::default();
         let recount = |have: u64| {
             let before = counted.swap(have, Ordering::Relaxed);
             if have >= before { transfer.add(have - before) } else { transfer.sub(before - have) }
@@ -249,7 +252,7 @@ impl HubClient {
         let hasher = self
             .with_retries(cancel, |attempt| {
                 let url = url.clone();
-                let (transferred, recount) = (&transferred, &recount);
+                let (transferred, recount, learned) = (&transferred, &recount, &learned);
                 async move {
                     let fatal_io = |e: ModelsError| Attempt::Fatal(e);
                     let (mut hasher, mut have) = hash_prefix(part).await.map_err(fatal_io)?;
@@ -288,6 +291,7 @@ impl HubClient {
                         }
                         s => return Err(self.classify(s, response.headers(), &url, repo, &format!("{} in {repo} at revision {revision}", file.name), attempt)),
                     }
+                    *learned.lock().unwrap_or_else(|p| p.into_inner()) = linked(response.headers());
                     let mut out = tokio::fs::OpenOptions::new().create(true).append(true).open(part).await.map_err(|e| Attempt::Fatal(io(part)(e)))?;
                     loop {
                         match response.chunk().await {
@@ -320,15 +324,17 @@ impl HubClient {
         tokio::fs::OpenOptions::new().create(true).append(true).open(part).await.map_err(io(part))?;
         let size = tokio::fs::metadata(part).await.map_err(io(part))?.len();
         let sha256 = hex(&hasher.finalize());
-        if let Some(expected) = file.size.filter(|s| *s != size) {
+        let (linked_sha, linked_size) = learned.into_inner().unwrap_or_else(|p| p.into_inner());
+        let expected_sha = file.sha256.clone().or(linked_sha);
+        if let Some(expected) = file.size.or(linked_size).filter(|s| *s != size) {
             let _ = tokio::fs::remove_file(part).await;
             recount(0);
             return Err(ModelsError::SizeMismatch { file: file.name.clone(), expected, got: size });
         }
-        if let Some(expected) = file.sha256.as_ref().filter(|h| !h.eq_ignore_ascii_case(&sha256)) {
+        if let Some(expected) = expected_sha.filter(|h| !h.eq_ignore_ascii_case(&sha256)) {
             let _ = tokio::fs::remove_file(part).await;
             recount(0);
-            return Err(ModelsError::HashMismatch { file: file.name.clone(), expected: expected.clone(), got: sha256 });
+            return Err(ModelsError::HashMismatch { file: file.name.clone(), expected, got: sha256 });
         }
         if let Some(dir) = dest.parent() {
             tokio::fs::create_dir_all(dir).await.map_err(io(dir))?;
@@ -351,6 +357,14 @@ fn error_chain(e: &dyn std::error::Error) -> String {
         source = inner.source();
     }
     s
+}
+
+/// The sha256 and size an LFS file's response announces (`X-Linked-Etag`, `X-Linked-Size`;
+/// the hub's `ETag` of a non-LFS file is a git hash, not a sha256, and is ignored).
+fn linked(headers: &HeaderMap) -> (Option<String>, Option<u64>) {
+    let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let sha = text("x-linked-etag").map(|e| e.trim().trim_start_matches("W/").trim_matches('"').to_ascii_lowercase()).filter(|e| e.len() == 64 && e.bytes().all(|b| b.is_ascii_hexdigit()));
+    (sha, text("x-linked-size").and_then(|s| s.trim().parse().ok()))
 }
 
 /// `bytes 100-199/1000` → 100.
@@ -396,6 +410,12 @@ mod tests {
     fn content_range_and_backoff() {
         assert_eq!(range_start("bytes 100-199/1000"), Some(100));
         assert_eq!(range_start("bytes */1000"), None);
+        let mut h = HeaderMap::new();
+        h.insert("x-linked-etag", format!("\"{}\"", "AB".repeat(32)).parse().unwrap());
+        h.insert("x-linked-size", "123".parse().unwrap());
+        assert_eq!(linked(&h), (Some("ab".repeat(32)), Some(123)));
+        h.insert("x-linked-etag", "\"abc\"".parse().unwrap());
+        assert_eq!(linked(&h).0, None, "a git hash is not a sha256");
         let mut config = HubConfig::from_env();
         config.backoff = Duration::from_millis(100);
         config.max_backoff = Duration::from_secs(1);
