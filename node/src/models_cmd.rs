@@ -122,7 +122,12 @@ fn list(store: &Store, all: bool) -> anyhow::Result<()> {
     for m in &local {
         let d = store.details(m);
         let layers = d.layers.map_or("?".to_string(), |l| l.to_string());
-        println!("{:<28} {:<12} {:>7} {:>10}  {}", m.id, d.family.as_deref().unwrap_or("?"), layers, human(m.size_bytes), m.path.display());
+        // A stage's directory holds some layers only: say which.
+        let part = m.dir().and_then(shoal::models::store::read_manifest).and_then(|man| man.layers).map_or(String::new(), |ranges| {
+            let ranges: Vec<String> = ranges.iter().map(|(s, e)| format!("{s}..{e}")).collect();
+            format!(" (layers {} only)", ranges.join(", "))
+        });
+        println!("{:<28} {:<12} {:>7} {:>10}  {}{part}", m.id, d.family.as_deref().unwrap_or("?"), layers, human(m.size_bytes), m.path.display());
     }
     if all {
         println!();

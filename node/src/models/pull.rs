@@ -315,10 +315,16 @@ impl Puller<'_> {
         }
         let (commit, info) = self.hub_info().await?;
         let hub = self.sources.hub.as_ref().expect("checked above");
-        let sibling = info.siblings.iter().find(|s| s.rfilename == w.remote).ok_or_else(|| ModelsError::NotFound { what: format!("{} in {}", w.remote, self.target.repo), url: format!("{}/{}", hub.config().endpoint, self.target.repo) })?;
+        let mut remote_name = w.remote.clone();
+        if w.local == GGUF_NAME && !info.siblings.iter().any(|s| s.rfilename == remote_name) {
+            // Listed by peers under its local name: find the repo's own file for it.
+            let names: Vec<&str> = info.siblings.iter().map(|s| s.rfilename.as_str()).collect();
+            remote_name = select::choose_gguf(&self.target.repo, &names, self.target.gguf_file.as_deref(), self.target.quant.as_deref())?;
+        }
+        let sibling = info.siblings.iter().find(|s| s.rfilename == remote_name).ok_or_else(|| ModelsError::NotFound { what: format!("{remote_name} in {}", self.target.repo), url: format!("{}/{}", hub.config().endpoint, self.target.repo) })?;
         // The hub's own hash wins over a peer's claim; the catalogue's pin wins over both.
         let sha256 = self.target.pinned.filter(|_| w.local == GGUF_NAME).map(str::to_string).or_else(|| sibling.sha256().map(|h| h.to_ascii_lowercase()));
-        let remote = RemoteFile { name: w.remote.clone(), size: sibling.size(), sha256: sha256.clone() };
+        let remote = RemoteFile { name: remote_name, size: sibling.size(), sha256: sha256.clone() };
         let part = self.part_path(&Wanted { sha256: sha256.clone(), ..w.clone() });
         self.transfer.set_phase(Phase::Downloading, "hub");
         self.transfer.set_file(Some(&w.local));
@@ -340,6 +346,10 @@ impl Puller<'_> {
     async fn verified_on_disk(&self, w: &Wanted, dest: &Path) -> Result<Option<FileRecord>, ModelsError> {
         let Ok(meta) = tokio::fs::metadata(dest).await else { return Ok(None) };
         let size_ok = w.size.is_none_or(|s| s == meta.len());
+        if size_ok {
+            self.transfer.set_phase(Phase::Verifying, "disk");
+            self.transfer.set_file(Some(&w.local));
+        }
         let sha = if size_ok {
             // Hashing a large file is blocking work: off the async threads.
             let path = dest.to_path_buf();
@@ -378,10 +388,10 @@ impl Puller<'_> {
         }
         files.sort_by(|a, b| a.path.cmp(&b.path));
         // The layers this directory now holds: the whole model once any pull took all of it.
-        let layers = match (layers, earlier.as_ref().map(|m| m.layers)) {
+        let layers = match (layers, earlier.as_ref().map(|m| m.layers.clone())) {
             (None, _) | (_, Some(None)) => None,
-            (Some((s, e)), Some(Some((s0, e0)))) => Some((s.min(s0), e.max(e0))),
-            (Some(l), None) => Some(l),
+            (Some(range), Some(Some(held))) => Some(merge_ranges(held, range)),
+            (Some(range), None) => Some(vec![range]),
         };
         let (repo, revision) = (Some(self.target.repo.clone()), self.hub.get().map(|(c, _)| c.clone()).or_else(|| self.holders.iter().find_map(|h| h.revision.clone())));
         write_manifest(&self.dir, &Manifest { id: self.target.id.clone(), repo, revision, layers, files: files.clone() })?;
@@ -404,6 +414,20 @@ impl Puller<'_> {
     }
 }
 
+/// `held` plus `range`, sorted, with overlapping or touching ranges merged.
+fn merge_ranges(mut held: Vec<(u32, u32)>, range: (u32, u32)) -> Vec<(u32, u32)> {
+    held.push(range);
+    held.sort_unstable();
+    let mut out: Vec<(u32, u32)> = Vec::new();
+    for (s, e) in held {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
+}
+
 fn read_text(path: &Path) -> Result<String, ModelsError> {
     std::fs::read_to_string(path).map_err(|source| ModelsError::Io { path: path.to_path_buf(), source })
 }
@@ -422,6 +446,8 @@ mod tests {
         assert_eq!((t.id.as_str(), t.quant.as_deref()), ("model-q8_0", Some("q8_0")));
         let t = resolve(&PullRequest::new("Some/Model")).unwrap();
         assert_eq!(t.id, "model");
+        assert_eq!(merge_ranges(vec![(0, 1)], (3, 4)), [(0, 1), (3, 4)]);
+        assert_eq!(merge_ranges(vec![(0, 1), (3, 4)], (1, 3)), [(0, 4)]);
         for bad in ["nothing-known", "a/b/c", "../x", "a/.."] {
             assert!(resolve(&PullRequest::new(bad)).is_err(), "{bad}");
         }

@@ -72,9 +72,10 @@ pub struct Manifest {
     /// The commit it was pulled at, if known.
     #[serde(default)]
     pub revision: Option<String>,
-    /// The layers this directory was fetched for (`[start, end)`); `None`: the whole model.
+    /// The layer ranges (`[start, end)`, sorted, merged) this directory was fetched for;
+    /// `None`: the whole model.
     #[serde(default)]
-    pub layers: Option<(u32, u32)>,
+    pub layers: Option<Vec<(u32, u32)>>,
     pub files: Vec<FileRecord>,
 }
 
