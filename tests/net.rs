@@ -56,9 +56,9 @@ fn advert(id: PeerId) -> NodeAdvert {
         flops: 1e11,
         backend: "cpu".into(),
         addresses: vec![],
+        models: vec![],
         wants: vec![],
         plan: None,
-        held: vec![],
     }
 }
 

@@ -6,11 +6,11 @@
 //! every node agrees on the leader and the plan within a bound. A failing seed replays with
 //! `SHOAL_SIM_SEED=<seed> cargo nextest run --release simulator -- --nocapture`.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use shoal::cluster::{place, Capacity, ClusterConfig, ClusterState, Epoch, Input, ModelFootprint, NodeAdvert, Output, Plan};
+use shoal::cluster::{place_all, ClusterConfig, ClusterState, Epoch, Input, ModelFootprint, NodeAdvert, Output, Plan};
 
 const STEP_MS: u64 = 100;
 const CHURN_MS: u64 = 40_000;
@@ -32,9 +32,9 @@ fn advert(i: usize, rng: &mut StdRng) -> NodeAdvert {
         flops: 1.0,
         backend: "cpu".into(),
         addresses: vec![],
+        models: vec!["small".into(), "large".into()],
         wants: vec![],
         plan: None,
-        held: vec![],
     }
 }
 
@@ -268,10 +268,8 @@ impl Sim {
         let same = live.iter().all(|(_, s)| s.leader() == first.leader() && s.plan().map(|p| &p.epoch) == first.plan().map(|p| &p.epoch));
         let Some(plan) = first.plan() else { return same && live.len() == 1 };
         // The plan covers exactly the live nodes, with the placements they would compute.
-        let capacity: Vec<Capacity> =
-            live.iter().map(|(i, _)| Capacity { node: format!("n{i}"), memory_offered: self.nodes[*i].base.memory_offered, mem_bandwidth: self.nodes[*i].base.mem_bandwidth }).collect();
-        let wanted: BTreeMap<String, ModelFootprint> = live.iter().flat_map(|(_, s)| s.advert().wants).map(|w| (w.model.clone(), w)).collect();
-        let placements_ok = wanted.iter().all(|(m, fp)| plan.placements.get(m) == Some(&place(fp, &capacity).map_err(|e| e.to_string())));
+        let adverts: Vec<NodeAdvert> = live.iter().map(|(_, s)| s.advert()).collect();
+        let placements_ok = plan.placements == place_all(&adverts.iter().collect::<Vec<_>>());
         same && Some(first.leader().clone()) == expected_leader && plan.members == ids && placements_ok
     }
 }

@@ -55,9 +55,9 @@ async fn start_node(name: &str, memory_offered: u64, peers: Vec<Multiaddr>, mode
         flops: 100e9,
         backend: "cpu".into(),
         addresses: vec![addr.to_string()],
+        models: vec![MODEL.to_string()],
         wants: vec![],
         plan: None,
-        held: vec![],
     };
     let config = SwarmConfig {
         data_dir: dir.path().to_path_buf(),
@@ -91,7 +91,7 @@ fn single_node_reference(path: &Path, n: usize) -> (Vec<u32>, Vec<u32>) {
 }
 
 fn request(prompt: &[u32], n: usize) -> GenerateRequest {
-    GenerateRequest { model: MODEL.into(), prompt: prompt.to_vec(), sampling: SamplingParams::greedy(), max_tokens: n, stop_ids: vec![], plan_wait: Duration::from_secs(20) }
+    GenerateRequest { model: MODEL.into(), prompt: prompt.to_vec(), sampling: SamplingParams::greedy(), max_tokens: n, stop_ids: vec![], plan_wait: Duration::from_secs(20), failover_wait: Duration::from_secs(20) }
 }
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -124,7 +124,7 @@ fn pipeline_across_three_nodes_equals_one_node() {
     let (prompt, expected) = single_node_reference(&path, 16);
     runtime().block_on(async {
         let nodes = start_swarm(&path).await;
-        nodes[0].handle.want(MODEL).await.expect("the entry node has the model file");
+        nodes[0].handle.serve_only(MODEL, path.clone()).await.expect("the entry node has the model file");
         let snap = agreed_pipeline(&nodes).await;
         let placement = snap.plan.as_ref().unwrap().placements[MODEL].clone().unwrap();
         assert_eq!(placement.strategy, Strategy::Pipeline);
@@ -159,7 +159,7 @@ fn a_middle_stage_lost_mid_stream_is_replaced_and_the_stream_continues() {
     let (prompt, expected) = single_node_reference(&path, 24);
     runtime().block_on(async {
         let nodes = start_swarm(&path).await;
-        nodes[0].handle.want(MODEL).await.unwrap();
+        nodes[0].handle.serve_only(MODEL, path.clone()).await.unwrap();
         let snap = agreed_pipeline(&nodes).await;
         let placement = snap.plan.as_ref().unwrap().placements[MODEL].clone().unwrap();
         let middle = &placement.stages[1].node;

@@ -124,7 +124,7 @@ fn browser_chat_against_a_real_node() {
     let started = Instant::now();
     let mut server = ChildGuard(
         Command::new(shoal_bin())
-            .args(["serve", "--host", "127.0.0.1", "--api-port", &port.to_string()])
+            .args(["serve", "--host", "127.0.0.1", "--api-port", &port.to_string(), "--no-discovery", "--listen", "/ip4/127.0.0.1/tcp/0"])
             .arg("--model")
             .arg(&model)
             .arg("--data-dir")

@@ -1,12 +1,12 @@
 //! The node's persistent identity: an ed25519 keypair kept in `<data dir>/node.key`
 //! (libp2p's protobuf key encoding, mode 0600), whose PeerId is the node id everywhere
-//! (API, cluster view, and the swarm when it lands). A restart is the same node.
+//! (API, cluster view and swarm). A restart is the same node.
 //! It does not sign or verify anything itself, and never prints or logs the key.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-pub use libp2p_identity::{Keypair, PeerId};
+pub use libp2p::identity::{Keypair, PeerId};
 
 /// The key file's name inside the data directory.
 pub const KEY_FILE: &str = "node.key";

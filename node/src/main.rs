@@ -10,7 +10,7 @@ use clap::{Parser, Subcommand};
 use shoal::engine::generate::Prompt;
 use shoal::engine::runtime::EngineHandle;
 use shoal::engine::text::ChatMessage;
-use shoal::api::{ApiConfig, NodeInfo, Server};
+use shoal::api::{ApiConfig, NodeInfo, Server, ServerParts};
 use shoal::engine::{GenerationEvent, GenerationRequest, LoadOptions, LoadedModel, SamplingParams};
 use tokio_util::sync::CancellationToken;
 
@@ -66,6 +66,19 @@ struct ServeArgs {
     /// Seconds a request may wait in the queue before it gets 503.
     #[arg(long, default_value_t = 600)]
     queue_timeout: u64,
+    /// Swarm listen address (repeatable); default: every interface on port 52416 (TCP, and QUIC
+    /// without a cluster key), or a free port when that one is taken.
+    #[arg(long, value_name = "MULTIADDR")]
+    listen: Vec<libp2p::Multiaddr>,
+    /// A peer to dial, for networks without multicast (repeatable), e.g. /ip4/10.0.0.2/tcp/52416.
+    #[arg(long, value_name = "MULTIADDR")]
+    peer: Vec<libp2p::Multiaddr>,
+    /// A libp2p pre-shared key file (pnet): only nodes with the same key can connect.
+    #[arg(long, value_name = "FILE")]
+    cluster_key: Option<PathBuf>,
+    /// Do not discover peers by mDNS (only --peer addresses are dialled).
+    #[arg(long)]
+    no_discovery: bool,
 }
 
 #[derive(clap::Args)]
@@ -200,6 +213,7 @@ fn data_dir(flag: Option<PathBuf>) -> anyhow::Result<PathBuf> {
 fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> {
     let data_dir = data_dir(data_dir_flag)?;
     let key = shoal::identity::load_or_create(&data_dir)?;
+    let cluster_key = args.cluster_key.as_deref().map(shoal::net::load_cluster_key).transpose()?;
     let node = NodeInfo {
         id: shoal::identity::node_id(&key),
         name: sysinfo::System::host_name().unwrap_or_else(|| "shoal".into()),
@@ -207,7 +221,7 @@ fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> 
     };
     let config = ApiConfig {
         listen: std::net::SocketAddr::new(args.host, args.api_port),
-        data_dir,
+        data_dir: data_dir.clone(),
         preload: args.model,
         memory_limit: args.memory_limit,
         api_key: args.api_key.filter(|k| !k.is_empty()),
@@ -216,15 +230,57 @@ fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> 
         queue_timeout: std::time::Duration::from_secs(args.queue_timeout),
         shutdown_timeout: std::time::Duration::from_secs(5),
     };
+    let (store, preload) = shoal::api::open_store(&config)?;
+    let local: std::collections::BTreeMap<String, PathBuf> = store.scan().into_iter().map(|m| (m.id, m.path)).collect();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("shoal-io").enable_all().build()?;
     runtime.block_on(async move {
         let shutdown = CancellationToken::new();
         let id = node.id.clone();
-        let server = Server::bind(config, node, &shutdown).await?;
+        let listener = Server::bind_listener(config.listen).await?;
+        let api_addresses = Server::reachable_addresses(&listener).await;
+        let machine = tokio::task::spawn_blocking(shoal::engine::probe::measure).await?.context("probing this machine")?;
+        let (memory_total, memory_offered) = shoal::api::node_view::offered_memory(config.memory_limit, 0);
+        let advert = shoal::cluster::NodeAdvert {
+            id: id.clone(),
+            name: node.name.clone(),
+            priority: 0,
+            memory_total,
+            // With --memory-limit the node offers all of it; without, what is free at start.
+            memory_offered: if config.memory_limit.is_some() { memory_total } else { memory_offered },
+            mem_bandwidth: machine.mem_bandwidth,
+            flops: machine.flops,
+            backend: "cpu".into(),
+            addresses: api_addresses,
+            models: local.keys().cloned().collect(),
+            wants: vec![],
+            plan: None,
+        };
+        let (net, net_events) = start_net(key, args.listen, args.peer, cluster_key, !args.no_discovery, &shutdown)?;
+        let swarm = shoal::swarm::spawn(
+            shoal::swarm::SwarmConfig {
+                data_dir: data_dir.clone(),
+                advert,
+                models: local,
+                cluster: shoal::cluster::ClusterConfig::LAN,
+                advert_every: std::time::Duration::from_secs(1),
+                hop_deadline: std::time::Duration::from_secs(120),
+            },
+            net.clone(),
+            net_events,
+            shutdown.child_token(),
+        );
+        // Peers copy model files from this node's store (`shoal models pull --peer`, or a
+        // peer's `/v1/models/pull`), and this node's pulls copy from its peers.
+        tokio::spawn(shoal::models::peer::serve(net.clone(), store.clone(), shutdown.child_token()));
+        let parts = ServerParts { store, preload, machine, swarm };
+        let server = Server::bind(listener, config, node, parts, &shutdown).await?;
+        server.attach_net(net.clone());
         let addr = server.local_addr();
-        let machine = server.machine();
         eprintln!("shoal node {id}");
         eprintln!("measured {:.1} GFLOP/s f32, {:.1} GB/s memory read", machine.flops / 1e9, machine.mem_bandwidth / 1e9);
+        for a in net.listen_addrs().await.unwrap_or_default() {
+            eprintln!("swarm listening on {a}/p2p/{id}");
+        }
         let ui_host = if addr.ip().is_unspecified() { "127.0.0.1".to_string() } else { addr.ip().to_string() };
         eprintln!("web UI and API: http://{}/", std::net::SocketAddr::new(ui_host.parse()?, addr.port()));
         tokio::spawn(stop_on_signal(shutdown.clone()));
@@ -232,6 +288,32 @@ fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> 
         eprintln!("shoal stopped");
         Ok(())
     })
+}
+
+/// Starts the libp2p actor. Without `--listen`, the well-known port is tried first and a free
+/// port taken when another node on this machine already has it.
+fn start_net(
+    key: libp2p::identity::Keypair,
+    listen: Vec<libp2p::Multiaddr>,
+    peers: Vec<libp2p::Multiaddr>,
+    cluster_key: Option<libp2p::pnet::PreSharedKey>,
+    mdns: bool,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<(shoal::net::NetHandle, tokio::sync::mpsc::Receiver<shoal::net::NetEvent>)> {
+    use shoal::net::{NetConfig, NetTimers};
+    let has_key = cluster_key.is_some();
+    let config = |listen| NetConfig { listen, peers: peers.clone(), cluster_key, mdns, timers: NetTimers::LAN };
+    if !listen.is_empty() {
+        return Ok(shoal::net::spawn(key, config(listen), shutdown.child_token())?);
+    }
+    match shoal::net::spawn(key.clone(), config(NetConfig::default_listen(has_key)), shutdown.child_token()) {
+        Ok(started) => Ok(started),
+        Err(shoal::net::NetError::Listen { .. }) => {
+            let any_port = NetConfig::default_listen(has_key).into_iter().map(|a| a.to_string().replace(&shoal::net::DEFAULT_PORT.to_string(), "0").parse().expect("a well-formed multiaddr")).collect();
+            Ok(shoal::net::spawn(key, config(any_port), shutdown.child_token())?)
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Cancels `shutdown` on the first SIGINT or SIGTERM; a second one exits at once.

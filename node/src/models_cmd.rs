@@ -211,10 +211,9 @@ async fn connect_peers(addrs: &[Multiaddr], cancel: CancellationToken) -> anyhow
 
 async fn share(store: Store, listen: Multiaddr) -> anyhow::Result<()> {
     let cancel = CancellationToken::new();
-    // The node's own identity, so that peers see the same id as `serve`'s (the identity
-    // module and libp2p use different releases of libp2p-identity: convert by encoding).
-    let key = shoal::identity::load_or_create(store.models_dir().parent().unwrap_or(Path::new(".")))?;
-    let key = Keypair::from_protobuf_encoding(&key.to_protobuf_encoding()?)?;
+    // A throwaway identity: a `shoal serve` on the same data dir keeps the node's own, and two
+    // processes must never share a peer id. The printed address carries this one.
+    let key = Keypair::generate_ed25519();
     let config = NetConfig { listen: vec![listen], peers: vec![], cluster_key: None, mdns: false, timers: NetTimers::LAN };
     let (net, _events) = net::spawn(key, config, cancel.child_token())?;
     let id = net.local_peer_id();

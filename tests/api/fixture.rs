@@ -30,7 +30,7 @@ pub struct Node {
 }
 
 impl Node {
-    /// Starts `shoal <args> --host 127.0.0.1 --api-port 0 --data-dir <tmp>` and waits for its
+    /// Starts `shoal <args> --host 127.0.0.1 --api-port 0 --no-discovery --listen <loopback> --data-dir <tmp>` and waits for its
     /// start-up lines (and, when `--model` is among `args`, for the model to be loaded).
     pub fn start(args: &[&str]) -> Node {
         let data = tempfile::tempdir().expect("a temp dir");
@@ -38,7 +38,8 @@ impl Node {
         let cache = real_model(GEMMA).parent().expect("the cache dir").to_path_buf();
         let mut child = Command::new(shoal_bin())
             .args(args)
-            .args(["--host", "127.0.0.1", "--api-port", "0", "--data-dir"])
+            // Discovery off and the swarm on loopback: a test node never joins the host's network.
+            .args(["--host", "127.0.0.1", "--api-port", "0", "--no-discovery", "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir"])
             .arg(data.path())
             .env("SHOAL_MODEL_CACHE", &cache)
             .env_remove("SHOAL_MODELS")
@@ -100,8 +101,9 @@ impl Node {
     pub fn wait_until_loaded(&self) {
         let started = Instant::now();
         loop {
-            let (status, body) = block_on(get(&self.url("/v1/cluster")));
-            if status == 200 && body["plans"].as_array().is_some_and(|p| !p.is_empty()) {
+            // Loaded: placed by the swarm, and this node's stage of it ready.
+            let (status, body) = block_on(get(&self.url("/v1/models")));
+            if status == 200 && body["data"].as_array().is_some_and(|m| m.iter().any(|m| m["shoal"]["loaded"] == true)) {
                 return;
             }
             assert!(started.elapsed() < Duration::from_secs(120), "no model loaded within 120 s: {body}; stderr:\n{}", self.stderr());

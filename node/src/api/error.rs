@@ -31,9 +31,9 @@ pub enum ApiError {
     /// The request names a model this node neither runs nor has on disk.
     #[error("the model `{model}` does not exist on this node (available: {available})")]
     ModelNotFound { model: String, available: String },
-    /// The model is larger than the memory this node offers.
-    #[error("the model `{model}` needs {size} bytes but this node offers {offered}")]
-    ModelTooLarge { model: String, size: u64, offered: u64 },
+    /// The swarm cannot hold the model (the reason says by how much).
+    #[error("the model `{model}` does not fit: {reason}")]
+    ModelTooLarge { model: String, reason: String },
     /// Loading a model from disk failed.
     #[error("loading the model `{model}` failed: {reason}")]
     ModelLoad { model: String, reason: String },
@@ -58,6 +58,9 @@ pub enum ApiError {
     /// The node is shutting down.
     #[error("the node is shutting down")]
     ShuttingDown,
+    /// The swarm could not run the request (a stage failed and no new plan took over in time).
+    #[error("the swarm could not finish the request: {0}")]
+    Swarm(String),
     /// Anything else inside the engine.
     #[error("internal error: {0}")]
     Internal(String),
@@ -100,6 +103,7 @@ impl ApiError {
             QueueFull { .. } => (StatusCode::SERVICE_UNAVAILABLE, "server_error", None, Some("queue_full")),
             QueueTimeout { .. } => (StatusCode::SERVICE_UNAVAILABLE, "server_error", None, Some("queue_timeout")),
             ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "server_error", None, Some("shutting_down")),
+            Swarm(_) => (StatusCode::SERVICE_UNAVAILABLE, "server_error", None, Some("swarm_unavailable")),
             Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", None, Some("internal_error")),
         }
     }

@@ -1,8 +1,8 @@
 //! The HTTP face of a node, on one port: the OpenAI dialect (`/v1/chat/completions`,
 //! `/v1/completions`, `/v1/models`), shoal's own `/v1/cluster`, `/health`, `/metrics`, and the
 //! web UI embedded from `web/`. `Server::bind` then `Server::run` under a shutdown token.
-//! It is the only layer that knows HTTP or JSON; it never runs model code on its own tasks
-//! (the scheduler's engine thread does). See docs/api.md for the contract.
+//! It is the only layer that knows HTTP or JSON; it never runs model code itself (the swarm
+//! does, on this node's stage thread or on other nodes). See docs/api.md for the contract.
 
 pub mod assets;
 pub mod error;
@@ -28,7 +28,7 @@ use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
 use crate::engine::probe::MachineProfile;
-use crate::engine::LoadOptions;
+use crate::swarm::SwarmHandle;
 use crate::models::store::{any_model_path, inspect};
 use crate::models::{LocalModel, Progress, Store};
 use error::ApiError;
@@ -73,12 +73,6 @@ pub enum ServeError {
     /// `--model` names no model file or directory.
     #[error("{0}: not a model file or directory")]
     NoModel(PathBuf),
-    /// `--model` is larger than the memory offered.
-    #[error("{0}")]
-    TooLarge(ApiError),
-    /// The machine probe failed.
-    #[error("probing this machine: {0}")]
-    Probe(String),
     /// The HTTP server failed.
     #[error("http server: {0}")]
     Http(std::io::Error),
@@ -89,7 +83,7 @@ pub struct App {
     pub(crate) node: NodeInfo,
     pub(crate) config: ApiConfig,
     pub(crate) scheduler: SchedulerHandle,
-    /// The models on disk (shared with the peer-copy server when the swarm runs).
+    /// The models on disk, shared with the peer-copy server (`models::peer::serve`).
     pub(crate) store: Arc<Store>,
     /// Downloads and peer copies in progress, shown in `/v1/cluster` `downloads`.
     pub(crate) progress: Progress,
@@ -97,11 +91,12 @@ pub struct App {
     pub(crate) pulls: std::sync::Mutex<std::collections::HashSet<String>>,
     /// Cancelled when the server stops: ends running pulls (their partial files stay).
     pub(crate) pull_cancel: CancellationToken,
-    /// The swarm, once attached: pulls copy from its connected peers before the hub.
+    /// The swarm's network, once attached: pulls copy from connected peers before the hub.
     pub(crate) net: std::sync::Mutex<Option<crate::net::NetHandle>>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) machine: MachineProfile,
     pub(crate) addresses: Vec<String>,
+    pub(crate) swarm: SwarmHandle,
 }
 
 impl App {
@@ -119,7 +114,7 @@ impl App {
         let local = tokio::task::spawn_blocking(move || app.store.scan()).await.unwrap_or_default();
         match local.iter().find(|m| m.id == name) {
             Some(m) if current.is_some_and(|c| c.path == m.path) => Ok(current.cloned().unwrap_or_else(|| m.clone())),
-            Some(m) => self.check_fits(m).map(|_| m.clone()),
+            Some(m) => self.check_fits(m).await.map(|_| m.clone()),
             None => {
                 let mut ids: Vec<&str> = current.iter().map(|m| m.id.as_str()).chain(local.iter().map(|m| m.id.as_str())).collect();
                 ids.dedup();
@@ -127,6 +122,26 @@ impl App {
             }
         }
     }
+}
+
+/// The local model files this node knows (data dir, `SHOAL_MODELS`, the fetch cache, and
+/// `--model`), and `--model` itself, checked to be a model.
+pub fn open_store(config: &ApiConfig) -> Result<(Arc<Store>, Option<LocalModel>), ServeError> {
+    let preload = match &config.preload {
+        Some(path) => Some(inspect(path).or_else(|| any_model_path(path)).ok_or_else(|| ServeError::NoModel(path.clone()))?),
+        None => None,
+    };
+    Ok((Arc::new(Store::open(&config.data_dir, preload.iter().map(|m| m.path.clone()).collect())), preload))
+}
+
+/// What the node made before the server: its local models, its measured profile, its swarm.
+pub struct ServerParts {
+    pub store: Arc<Store>,
+    /// `--model`, checked to be a model.
+    pub preload: Option<LocalModel>,
+    pub machine: MachineProfile,
+    /// Runs every generation.
+    pub swarm: SwarmHandle,
 }
 
 /// A bound, ready server.
@@ -139,26 +154,30 @@ pub struct Server {
 }
 
 impl Server {
-    /// Binds the port, probes the machine, starts the scheduler and queues `--model`'s load.
-    pub async fn bind(config: ApiConfig, node: NodeInfo, shutdown: &CancellationToken) -> Result<Server, ServeError> {
-        let listener = TcpListener::bind(config.listen).await.map_err(|source| ServeError::Bind { addr: config.listen, source })?;
-        let bound = listener.local_addr().map_err(|source| ServeError::Bind { addr: config.listen, source })?;
-        let machine = tokio::task::spawn_blocking(crate::engine::probe::measure).await.map_err(|e| ServeError::Probe(e.to_string()))?.map_err(|e| ServeError::Probe(e.to_string()))?;
-        let preload = match &config.preload {
-            Some(path) => Some(inspect(path).or_else(|| any_model_path(path)).ok_or_else(|| ServeError::NoModel(path.clone()))?),
-            None => None,
-        };
-        let store = Arc::new(Store::open(&config.data_dir, preload.iter().map(|m| m.path.clone()).collect()));
+    /// Binds the port (the API listener comes first: the swarm's advert carries its address).
+    pub async fn bind_listener(listen: SocketAddr) -> Result<TcpListener, ServeError> {
+        TcpListener::bind(listen).await.map_err(|source| ServeError::Bind { addr: listen, source })
+    }
+
+    /// The addresses a client can reach `listener` on.
+    pub async fn reachable_addresses(listener: &TcpListener) -> Vec<String> {
+        let Ok(bound) = listener.local_addr() else { return vec![] };
+        tokio::task::spawn_blocking(move || node_view::listen_addresses(bound)).await.unwrap_or_else(|_| vec![bound.to_string()])
+    }
+
+    /// Starts the scheduler on a bound listener and queues `--model`'s load.
+    pub async fn bind(listener: TcpListener, config: ApiConfig, node: NodeInfo, parts: ServerParts, shutdown: &CancellationToken) -> Result<Server, ServeError> {
+        let ServerParts { store, preload, machine, swarm } = parts;
         let metrics = Arc::new(Metrics::new());
         let scheduler_token = shutdown.child_token();
-        let load_options = LoadOptions { context_limit: config.context, ..LoadOptions::default() };
-        let scheduler_config = SchedulerConfig { max_queue: config.max_queue, queue_timeout: config.queue_timeout, load_options };
-        let (scheduler, scheduler_task) = SchedulerHandle::spawn(scheduler_config, metrics.clone(), scheduler_token.clone());
-        let addresses = tokio::task::spawn_blocking(move || node_view::listen_addresses(bound)).await.unwrap_or_else(|_| vec![bound.to_string()]);
-        let pulls = Default::default();
-        let app = Arc::new(App { node, config, scheduler, store, progress: Progress::default(), pulls, pull_cancel: shutdown.child_token(), net: Default::default(), metrics, machine, addresses });
+        let scheduler_config = SchedulerConfig { max_queue: config.max_queue, queue_timeout: config.queue_timeout, context_limit: config.context };
+        let (scheduler, scheduler_task) = SchedulerHandle::spawn(scheduler_config, swarm.clone(), metrics.clone(), scheduler_token.clone());
+        let addresses = Self::reachable_addresses(&listener).await;
+        let (progress, pulls, pull_cancel, net) = (Progress::default(), Default::default(), shutdown.child_token(), Default::default());
+        let app = Arc::new(App { node, config, scheduler, store, progress, pulls, pull_cancel, net, metrics, machine, addresses, swarm });
+        // No size check here: the peers that could hold the model with us may not have joined
+        // yet. The swarm places it once they have; until then `/v1/cluster` shows why not.
         if let Some(model) = preload {
-            app.check_fits(&model).map_err(ServeError::TooLarge)?;
             app.scheduler.load(model);
         }
         Ok(Server { listener, app, scheduler_task, scheduler_token })
@@ -172,18 +191,12 @@ impl Server {
         self.app.machine
     }
 
-    /// The node's model store, to share with the peer-copy server (`models::peer::serve`).
-    pub fn store(&self) -> Arc<Store> {
-        self.app.store.clone()
-    }
-
     /// Lets `/v1/models/pull` copy from this network's connected peers before the hub.
     pub fn attach_net(&self, net: crate::net::NetHandle) {
         *self.app.net.lock().unwrap_or_else(|p| p.into_inner()) = Some(net);
     }
 
-    /// The node's download progress registry: pulls started elsewhere (the swarm) that report
-    /// on it show in `/v1/cluster` `downloads`.
+    /// The node's download progress registry (`/v1/cluster` `downloads`).
     pub fn progress(&self) -> Progress {
         self.app.progress.clone()
     }

@@ -1,7 +1,9 @@
-//! What this node says about itself: `/v1/models` (loaded and local models, and whether each
-//! fits the memory offered), `/v1/models/load`, `/v1/cluster` (one node, its measured figures,
-//! its single-stage plan and its downloads) and `/health`. Memory comes from the OS, capped by
-//! `--memory-limit`. It holds no state of its own: it reads the scheduler's published view.
+//! What this node says about itself and its swarm: `/v1/models` (loaded and local models, and
+//! whether each fits the memory offered), `/v1/models/load`, `/v1/cluster` (every member, the
+//! leader and epoch, the plan's stages, link RTTs, load progress, placement errors, this
+//! node's downloads) and `/health`. Memory comes from the OS, capped by `--memory-limit`.
+//! It holds no state of its own: it reads the scheduler's published view, the swarm's
+//! snapshot and the download progress registry.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -38,12 +40,20 @@ pub fn offered_memory(limit: Option<u64>, loaded_bytes: u64) -> (u64, u64) {
 }
 
 impl App {
-    /// Refuses a model larger than the memory this node may ever offer (`--memory-limit`, or
-    /// the machine's RAM). Less free memory right now only makes `fits` false: a user may load anyway.
-    pub(super) fn check_fits(&self, model: &LocalModel) -> Result<(), ApiError> {
-        let (total, _) = offered_memory(self.config.memory_limit, 0);
-        if model.size_bytes > total {
-            return Err(ApiError::ModelTooLarge { model: model.id.clone(), size: model.size_bytes, offered: total });
+    /// Refuses a model larger than the memory the swarm may ever offer for it: this node's
+    /// (`--memory-limit`, or the machine's RAM) plus that of the members that hold its files.
+    /// Less free memory right now only makes `fits` false: a user may load anyway.
+    pub(super) async fn check_fits(&self, model: &LocalModel) -> Result<(), ApiError> {
+        let limit = self.config.memory_limit;
+        let (mine, _) = tokio::task::spawn_blocking(move || offered_memory(limit, 0)).await.unwrap_or((0, 0));
+        let others: u64 = match self.swarm.snapshot().await {
+            Ok(s) => s.members.iter().filter(|m| m.id != s.me && m.models.contains(&model.id)).map(|m| m.memory_offered).sum(),
+            Err(_) => 0,
+        };
+        let offered = mine.saturating_add(others);
+        if model.size_bytes > offered {
+            let whom = if others == 0 { "this node offers" } else { "the swarm offers" };
+            return Err(ApiError::ModelTooLarge { model: model.id.clone(), reason: format!("it needs {} bytes but {whom} {offered}", model.size_bytes) });
         }
         Ok(())
     }
@@ -123,39 +133,70 @@ pub async fn load_model(State(app): State<Arc<App>>, body: Bytes) -> Result<Resp
 
 pub async fn cluster(State(app): State<Arc<App>>) -> Json<Value> {
     let state = app.scheduler.state();
-    let loaded_bytes = state.loaded.as_ref().map_or(0, |l| l.model.size_bytes);
-    let (memory_total, memory_available) = tokio::task::spawn_blocking({
-        let limit = app.config.memory_limit;
-        move || offered_memory(limit, loaded_bytes)
+    let Ok(snapshot) = app.swarm.snapshot().await else {
+        return Json(json!({"self": app.node.id, "leader": null, "epoch": 0, "nodes": [], "links": [], "plans": [], "progress": [], "error": "the swarm runtime has stopped"}));
+    };
+    let me = snapshot.me.clone();
+    let placements = snapshot.plan.as_ref().map(|p| p.placements.clone()).unwrap_or_default();
+    // Bytes of our own stages, which count against our memory limit.
+    let sizes: std::collections::HashMap<String, u64> = tokio::task::spawn_blocking({
+        let app = app.clone();
+        move || app.store.scan().into_iter().map(|m| (m.id, m.size_bytes)).collect()
     })
     .await
-    .unwrap_or((0, 0));
-    let me = &app.node.id;
-    let loaded_ids: Vec<&str> = state.loaded.iter().map(|l| l.model.id.as_str()).collect();
-    let plans: Vec<Value> = state
-        .loaded
+    .unwrap_or_default();
+    let layers_of = |model: &str| placements.get(model).and_then(|p| p.as_ref().ok()).and_then(|p| p.stages.last()).map_or(1, |s| s.end.max(1));
+    let loaded_bytes: u64 = snapshot.stages.iter().map(|(m, st)| sizes.get(m).copied().unwrap_or(0) * (st.end - st.start) as u64 / layers_of(m) as u64).sum();
+    let limit = app.config.memory_limit;
+    let (memory_total, memory_available) = tokio::task::spawn_blocking(move || offered_memory(limit, loaded_bytes)).await.unwrap_or((0, 0));
+    let stages_on = |node: &str| -> Vec<&str> {
+        placements.iter().filter(|(_, p)| p.as_ref().is_ok_and(|p| p.stages.iter().any(|s| s.node == node))).map(|(m, _)| m.as_str()).collect()
+    };
+    let nodes: Vec<Value> = snapshot
+        .members
         .iter()
-        .map(|l| {
+        .map(|m| {
+            let is_me = m.id == me;
             json!({
-                "model": l.model.id, "epoch": 1, "strategy": "single",
-                "predicted_tok_s": null, "measured_tok_s": state.last_decode_tok_s,
-                "stages": [{"node": me, "start": 0, "end": l.layers}],
+                "id": m.id, "name": if is_me { app.node.name.clone() } else { m.name.clone() },
+                "memory_total": if is_me { memory_total } else { m.memory_total },
+                "memory_available": if is_me { memory_available } else { m.memory_offered },
+                "backend": m.backend, "device": if is_me { app.node.device.clone() } else { m.backend.clone() },
+                "flops": m.flops, "mem_bandwidth": m.mem_bandwidth,
+                "addresses": if is_me { app.addresses.clone() } else { m.addresses.clone() },
+                "models": stages_on(&m.id), "local_models": m.models,
             })
         })
         .collect();
-    let progress: Vec<Value> = state.loading.iter().map(|m| json!({"node": me, "model": m.id, "phase": "loading", "fraction": null})).collect();
+    let links: Vec<Value> = snapshot.rtt_ms.iter().map(|(peer, rtt)| json!({"from": me, "to": peer, "rtt_ms": rtt})).collect();
+    let epoch = snapshot.plan.as_ref().map_or(0, |p| p.epoch.round);
+    let plans: Vec<Value> = placements
+        .iter()
+        .filter_map(|(model, p)| p.as_ref().ok().map(|p| (model, p)))
+        .map(|(model, p)| {
+            let measured = state.loaded.as_ref().filter(|l| &l.model.id == model).and(state.last_decode_tok_s);
+            json!({
+                "model": model, "epoch": epoch, "strategy": p.strategy,
+                "predicted_tok_s": null, "measured_tok_s": measured,
+                "stages": p.stages.iter().map(|s| json!({"node": s.node, "start": s.start, "end": s.end})).collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    let mut progress: Vec<Value> = snapshot
+        .stages
+        .iter()
+        .filter(|(_, st)| st.state == crate::swarm::StageState::Loading)
+        .map(|(model, st)| json!({"node": me, "model": model, "phase": "loading", "layers": [st.start, st.end], "fraction": null}))
+        .collect();
+    if let Some(m) = state.loading.as_ref().filter(|m| !snapshot.stages.contains_key(&m.id)) {
+        progress.push(json!({"node": me, "model": m.id, "phase": "placing", "fraction": null}));
+    }
+    let placement_errors: Vec<String> = placements.iter().filter_map(|(_, p)| p.as_ref().err().cloned()).collect();
+    let error = state.last_error.clone().or_else(|| (!placement_errors.is_empty()).then(|| placement_errors.join("; ")));
     Json(json!({
-        "self": me, "leader": me, "epoch": 1,
-        "nodes": [{
-            "id": me, "name": app.node.name, "memory_total": memory_total, "memory_available": memory_available,
-            "backend": "cpu", "device": app.node.device, "flops": app.machine.flops, "mem_bandwidth": app.machine.mem_bandwidth,
-            "addresses": app.addresses, "models": loaded_ids,
-        }],
-        "links": [],
-        "plans": plans,
-        "progress": progress,
-        "downloads": downloads(&app),
-        "error": state.last_error,
+        "self": me, "leader": snapshot.leader, "epoch": epoch,
+        "nodes": nodes, "links": links, "plans": plans, "progress": progress,
+        "downloads": downloads(&app), "error": error,
     }))
 }
 

@@ -1,7 +1,8 @@
-//! The way in to the scheduler actor (`scheduler/actor.rs`), the one owner of this node's
-//! engine thread and loaded model: `SchedulerHandle` queues generations and loads, each
-//! request's events come back on its `GenerationStream` (dropping it cancels), and the actor
-//! publishes its state for the model list and cluster view. It knows no HTTP.
+//! The way in to the scheduler actor (`scheduler/actor.rs`), the one queue of this node's API
+//! and the owner of the model it serves through the swarm: `SchedulerHandle` queues
+//! generations and loads, each request's events come back on its `GenerationStream` (dropping
+//! it cancels), and the actor publishes its state for the model list and cluster view. It
+//! knows no HTTP.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -13,7 +14,8 @@ use tokio_util::sync::CancellationToken;
 use crate::models::LocalModel;
 use super::error::ApiError;
 use super::metrics::Metrics;
-use crate::engine::{FinishReason, GenerationRequest, LoadOptions, Usage};
+use crate::engine::{FinishReason, GenerationRequest, Usage};
+use crate::swarm::SwarmHandle;
 
 mod actor;
 
@@ -33,7 +35,8 @@ pub struct SchedulerConfig {
     pub max_queue: usize,
     /// How long a request may wait in the queue before it gets 503.
     pub queue_timeout: Duration,
-    pub load_options: LoadOptions,
+    /// Caps each model's context window (tokens) below its own.
+    pub context_limit: Option<usize>,
 }
 
 /// The scheduler's published view, for `/v1/models`, `/v1/cluster` and model resolution.
@@ -108,10 +111,10 @@ impl Drop for GenerationStream {
 
 impl SchedulerHandle {
     /// Starts the actor; it stops when `shutdown` is cancelled or every handle is dropped.
-    pub fn spawn(config: SchedulerConfig, metrics: Arc<Metrics>, shutdown: CancellationToken) -> (SchedulerHandle, tokio::task::JoinHandle<()>) {
+    pub fn spawn(config: SchedulerConfig, swarm: SwarmHandle, metrics: Arc<Metrics>, shutdown: CancellationToken) -> (SchedulerHandle, tokio::task::JoinHandle<()>) {
         let (commands, inbox) = mpsc::unbounded_channel();
         let (state_tx, state) = watch::channel(SchedulerState::default());
-        let actor = actor::Scheduler::new(config, inbox, state_tx, metrics, shutdown);
+        let actor = actor::Scheduler::new(config, swarm, inbox, state_tx, metrics, shutdown);
         (SchedulerHandle { commands, state, next_id: Arc::new(AtomicU64::new(1)) }, tokio::spawn(actor.run()))
     }
 

@@ -2,10 +2,15 @@
 //! into stages. A single node when one can hold the model (the fastest such node), otherwise a
 //! memory-weighted pipeline: layers in proportion to offered memory, corrected by memory
 //! bandwidth, largest-remainder rounding, at least one layer per stage, never more than a
-//! node offers. Pure: no I/O, no clocks; the same inputs give the same plan on every node.
+//! node offers. `place_all` places every wanted model over the members that hold its files,
+//! in name order, each model using only the memory the ones before it left. Pure: no I/O, no
+//! clocks; the same inputs give the same plan on every node.
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::state::NodeAdvert;
 use super::NodeId;
 
 /// What a model needs, known before any weights are read (from the catalogue or the file).
@@ -57,8 +62,8 @@ pub struct Placement {
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PlacementError {
-    /// No members to place on.
-    #[error("no nodes are available to hold {model}")]
+    /// No member holds the model's files.
+    #[error("no node of the swarm has the files of {model}")]
     NoMembers { model: String },
     /// The members together offer too little memory.
     #[error("{model} needs {needed} bytes but the swarm offers {offered} bytes; add a node or raise --memory-limit")]
@@ -66,6 +71,38 @@ pub enum PlacementError {
     /// The footprint is not placeable (zero layers).
     #[error("{model} has no layers to place")]
     Empty { model: String },
+}
+
+/// Places every model wanted by `members` (their adverts), in name order: each over the members
+/// that hold its files, with the memory the models before it left.
+pub fn place_all(members: &[&NodeAdvert]) -> BTreeMap<String, Result<Placement, String>> {
+    let mut wanted: BTreeMap<&str, &ModelFootprint> = BTreeMap::new();
+    for a in members {
+        for w in &a.wants {
+            wanted.entry(w.model.as_str()).or_insert(w);
+        }
+    }
+    let mut left: BTreeMap<&str, u64> = members.iter().map(|a| (a.id.as_str(), a.memory_offered)).collect();
+    let mut placements = BTreeMap::new();
+    for (name, footprint) in wanted {
+        let holders: Vec<Capacity> = members
+            .iter()
+            .filter(|a| a.models.iter().any(|m| m == name))
+            .map(|a| Capacity { node: a.id.clone(), memory_offered: left[a.id.as_str()], mem_bandwidth: a.mem_bandwidth })
+            .collect();
+        let placed = place(footprint, &holders);
+        if let Ok(p) = &placed {
+            for (i, s) in p.stages.iter().enumerate() {
+                let fixed = if i == 0 { footprint.embedding_bytes } else { 0 } + if i + 1 == p.stages.len() { footprint.head_bytes } else { 0 };
+                let used = (s.end - s.start) as u64 * footprint.bytes_per_layer + fixed;
+                if let Some(l) = left.get_mut(s.node.as_str()) {
+                    *l = l.saturating_sub(used);
+                }
+            }
+        }
+        placements.insert(name.to_string(), placed.map_err(|e| e.to_string()));
+    }
+    placements
 }
 
 /// Places `model` on `members` (order does not matter; the result is deterministic).

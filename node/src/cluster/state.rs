@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
-use super::placement::{place, Capacity, ModelFootprint, Placement, Stage};
+use super::placement::{place_all, ModelFootprint, Placement, Stage};
 use super::{Millis, NodeId};
 
 /// A plan's stamp: compared by round, then by leader (the smaller id wins a tie).
@@ -55,12 +55,12 @@ pub struct NodeAdvert {
     pub flops: f64,
     pub backend: String,
     pub addresses: Vec<String>,
+    /// Ids of the models whose files this node has: stages are placed only on holders.
+    pub models: Vec<String>,
     /// Models this node's API has been asked for: the leader places them.
     pub wants: Vec<ModelFootprint>,
     /// The plan this node has in force, so that plans spread even when messages are lost.
     pub plan: Option<Plan>,
-    /// Models on this node's disk (ids), whole or in part: a source for peer copy.
-    pub held: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -164,6 +164,19 @@ impl ClusterState {
         if !self.me.wants.iter().any(|w| w.model == model.model) {
             self.me.wants.push(model);
         }
+        self.reconcile(now)
+    }
+
+    /// Replaces the models we ask the swarm to place (a node that serves one model at a time
+    /// lets go of the last one when it switches).
+    pub fn set_wants(&mut self, wants: Vec<ModelFootprint>, now: Millis) -> Vec<Output> {
+        self.me.wants = wants;
+        self.reconcile(now)
+    }
+
+    /// Replaces the list of models whose files we hold (after a download or a removal).
+    pub fn set_local_models(&mut self, models: Vec<String>, now: Millis) -> Vec<Output> {
+        self.me.models = models;
         self.reconcile(now)
     }
 
@@ -278,14 +291,7 @@ impl ClusterState {
     /// Placements for every model wanted by an alive member, over the alive members.
     fn placements(&self) -> BTreeMap<String, Result<Placement, String>> {
         let adverts: Vec<&NodeAdvert> = self.alive.iter().filter_map(|id| self.advert_of(id)).collect();
-        let capacity: Vec<Capacity> = adverts.iter().map(|a| Capacity { node: a.id.clone(), memory_offered: a.memory_offered, mem_bandwidth: a.mem_bandwidth }).collect();
-        let mut wanted: BTreeMap<String, &ModelFootprint> = BTreeMap::new();
-        for a in &adverts {
-            for w in &a.wants {
-                wanted.entry(w.model.clone()).or_insert(w);
-            }
-        }
-        wanted.into_iter().map(|(name, fp)| (name, place(fp, &capacity).map_err(|e| e.to_string()))).collect()
+        place_all(&adverts)
     }
 }
 
@@ -300,8 +306,8 @@ fn placeholder(id: &str) -> NodeAdvert {
         flops: 0.0,
         backend: String::new(),
         addresses: vec![],
+        models: vec![],
         wants: vec![],
         plan: None,
-        held: vec![],
     }
 }

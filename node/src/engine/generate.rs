@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::model::LoadedModel;
 use super::sampler::{Sampler, SamplingParams};
 use super::shard::{ShardInput, ShardOutput};
-use super::text::ChatMessage;
+use super::text::{ChatMessage, IncrementalDecoder, TextCodec};
 use super::{EngineError, Result};
 
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -57,31 +57,16 @@ pub enum GenerationEvent {
 /// Runs `req` to completion. The sink returns `false` to cancel.
 pub fn generate(model: &LoadedModel, req: &GenerationRequest, sink: &mut dyn FnMut(GenerationEvent) -> bool) -> Result<Usage> {
     let started = Instant::now();
-    let prompt_ids = match &req.prompt {
-        Prompt::Text(t) => model.text.encode_prompt(t)?,
-        Prompt::Chat(messages) => model.text.encode_prompt(&model.text.render_chat(messages)?)?,
-        Prompt::Tokens(ids) => ids.clone(),
-    };
-    if prompt_ids.is_empty() {
-        return Err(EngineError::InvalidRequest("the prompt is empty".into()));
-    }
     let context = model.spec.context_length;
-    if prompt_ids.len() >= context {
-        return Err(EngineError::PromptTooLong { prompt_tokens: prompt_ids.len(), context });
-    }
+    let prompt_ids = prompt_ids(&model.text, &req.prompt, context)?;
     let mut sampler = Sampler::new(req.sampling.clone())?;
     let budget = req.max_tokens.unwrap_or(usize::MAX).min(context - prompt_ids.len());
     let mut cache = model.shard.new_cache();
     let mut history = prompt_ids.clone();
-    let mut decoder = model.text.incremental_decoder();
-    let mut stops = StopMatcher::new(&req.stop);
-    let stop_ids = model.text.stop_ids();
-
-    let mut usage = Usage { prompt_tokens: prompt_ids.len(), ..Default::default() };
+    let mut stream = TextStream::new(&model.text, &req.stop, prompt_ids.len(), started);
     let mut input: Vec<u32> = prompt_ids;
-    let mut decode_started = None;
     let finish = loop {
-        if usage.completion_tokens >= budget {
+        if stream.usage.completion_tokens >= budget {
             break FinishReason::Length;
         }
         let ShardOutput::Logits(logits) = model.shard.forward(ShardInput::Tokens(&input), &mut cache, false)? else {
@@ -89,38 +74,105 @@ pub fn generate(model: &LoadedModel, req: &GenerationRequest, sink: &mut dyn FnM
         };
         let mut logits = logits.squeeze(0)?.to_vec1::<f32>()?;
         let id = sampler.sample(&mut logits, &history);
-        if usage.completion_tokens == 0 {
-            usage.time_to_first_token_s = started.elapsed().as_secs_f64();
-            usage.prefill_tok_s = usage.prompt_tokens as f64 / usage.time_to_first_token_s.max(1e-9);
-            decode_started = Some(Instant::now());
-        }
-        usage.completion_tokens += 1;
         history.push(id);
-        if stop_ids.contains(&id) {
-            break FinishReason::Stop;
-        }
-        let piece = decoder.push(id)?;
-        let (text, hit) = stops.push(&piece);
-        if !sink(GenerationEvent::Token { id, text }) {
-            break FinishReason::Cancelled;
-        }
-        if hit {
-            break FinishReason::Stop;
+        match stream.token(id)? {
+            TokenText::StopToken => break FinishReason::Stop,
+            TokenText::Piece { text, stop_hit } => {
+                if !sink(GenerationEvent::Token { id, text }) {
+                    break FinishReason::Cancelled;
+                }
+                if stop_hit {
+                    break FinishReason::Stop;
+                }
+            }
         }
         input = vec![id];
     };
-    if finish != FinishReason::Cancelled && finish != FinishReason::Stop {
-        let tail = stops.flush(&decoder.finish()?);
-        if !tail.is_empty() {
-            sink(GenerationEvent::Token { id: u32::MAX, text: tail });
-        }
-    }
-    if let Some(t) = decode_started {
-        let steps = usage.completion_tokens.saturating_sub(1);
-        usage.decode_tok_s = steps as f64 / t.elapsed().as_secs_f64().max(1e-9);
+    let (tail, usage) = stream.finish(finish)?;
+    if !tail.is_empty() {
+        sink(GenerationEvent::Token { id: u32::MAX, text: tail });
     }
     sink(GenerationEvent::Done { finish, usage: usage.clone() });
     Ok(usage)
+}
+
+/// The prompt's token ids (a chat rendered with the model's template), checked to be non-empty
+/// and to leave room for at least one new token in `context`.
+pub fn prompt_ids(text: &TextCodec, prompt: &Prompt, context: usize) -> Result<Vec<u32>> {
+    let ids = match prompt {
+        Prompt::Text(t) => text.encode_prompt(t)?,
+        Prompt::Chat(messages) => text.encode_prompt(&text.render_chat(messages)?)?,
+        Prompt::Tokens(ids) => ids.clone(),
+    };
+    if ids.is_empty() {
+        return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+    }
+    if ids.len() >= context {
+        return Err(EngineError::PromptTooLong { prompt_tokens: ids.len(), context });
+    }
+    Ok(ids)
+}
+
+/// What one sampled token means as text.
+#[derive(Debug, PartialEq)]
+pub enum TokenText {
+    /// One of the model's stop tokens: the generation ends, and the token shows no text.
+    StopToken,
+    /// Text that is safe to emit now (possibly empty while held back), and whether a stop
+    /// string completed with it (then the generation ends after this text).
+    Piece { text: String, stop_hit: bool },
+}
+
+/// The text side of a generation, wherever its tokens come from (this node's engine or a
+/// pipeline across the swarm): incremental UTF-8-safe decoding, stop tokens and stop strings,
+/// and the usage figures (time to first token, prefill and decode speed).
+pub struct TextStream<'a> {
+    decoder: IncrementalDecoder<'a>,
+    stops: StopMatcher<'a>,
+    stop_ids: &'a [u32],
+    started: Instant,
+    decode_started: Option<Instant>,
+    pub usage: Usage,
+}
+
+impl<'a> TextStream<'a> {
+    /// `started` is when the request began (before tokenizing), for time to first token.
+    pub fn new(text: &'a TextCodec, stop: &'a [String], prompt_tokens: usize, started: Instant) -> Self {
+        TextStream {
+            decoder: text.incremental_decoder(),
+            stops: StopMatcher::new(stop),
+            stop_ids: text.stop_ids(),
+            started,
+            decode_started: None,
+            usage: Usage { prompt_tokens, ..Default::default() },
+        }
+    }
+
+    /// Takes the next sampled token.
+    pub fn token(&mut self, id: u32) -> Result<TokenText> {
+        if self.usage.completion_tokens == 0 {
+            self.usage.time_to_first_token_s = self.started.elapsed().as_secs_f64();
+            self.usage.prefill_tok_s = self.usage.prompt_tokens as f64 / self.usage.time_to_first_token_s.max(1e-9);
+            self.decode_started = Some(Instant::now());
+        }
+        self.usage.completion_tokens += 1;
+        if self.stop_ids.contains(&id) {
+            return Ok(TokenText::StopToken);
+        }
+        let piece = self.decoder.push(id)?;
+        let (text, stop_hit) = self.stops.push(&piece);
+        Ok(TokenText::Piece { text, stop_hit })
+    }
+
+    /// Ends the stream: the text still held back (none after a stop or a cancel) and the usage.
+    pub fn finish(&mut self, finish: FinishReason) -> Result<(String, Usage)> {
+        let tail = if finish != FinishReason::Cancelled && finish != FinishReason::Stop { self.stops.flush(&self.decoder.finish()?) } else { String::new() };
+        if let Some(t) = self.decode_started {
+            let steps = self.usage.completion_tokens.saturating_sub(1);
+            self.usage.decode_tok_s = steps as f64 / t.elapsed().as_secs_f64().max(1e-9);
+        }
+        Ok((tail, self.usage.clone()))
+    }
 }
 
 /// Holds back text that could be the start of a stop string; reports when one completes.

@@ -121,10 +121,10 @@ fn read_at(path: &Path, offset: u64, len: usize) -> std::io::Result<Vec<u8>> {
     Ok(data)
 }
 
-/// The peers whose latest adverts say they hold model `id` (`NodeAdvert::held`), for
+/// The peers whose latest adverts say they hold model `id` (`NodeAdvert::models`), for
 /// `PeerSource::peers`; the list of files itself is asked for over the wire.
 pub fn peers_holding<'a>(adverts: impl IntoIterator<Item = (&'a PeerId, &'a NodeAdvert)>, id: &str) -> Vec<PeerId> {
-    adverts.into_iter().filter(|(_, a)| a.held.iter().any(|h| h == id)).map(|(p, _)| *p).collect()
+    adverts.into_iter().filter(|(_, a)| a.models.iter().any(|h| h == id)).map(|(p, _)| *p).collect()
 }
 
 /// A peer's list of a model's files.

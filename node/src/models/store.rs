@@ -150,7 +150,7 @@ impl Store {
         found
     }
 
-    /// The ids of every model on disk, for `NodeAdvert::held`. Blocking file I/O.
+    /// The ids of every model on disk, for `NodeAdvert::models`. Blocking file I/O.
     pub fn held(&self) -> Vec<String> {
         self.scan().into_iter().map(|m| m.id).collect()
     }

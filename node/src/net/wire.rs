@@ -117,7 +117,7 @@ pub fn advert_to_proto(a: &NodeAdvert) -> v1::Advert {
         addresses: a.addresses.clone(),
         wants: a.wants.iter().map(footprint_to_proto).collect(),
         plan: a.plan.as_ref().map(plan_to_proto),
-        held: a.held.clone(),
+        models: a.models.clone(),
     }
 }
 
@@ -135,9 +135,9 @@ pub fn advert_from_proto(a: v1::Advert, signer: &PeerId) -> Result<NodeAdvert, W
         check_len("advert.addresses", address, MAX_STRING_BYTES)?;
     }
     check_count("advert.wants", &a.wants, MAX_MODELS)?;
-    check_count("advert.held", &a.held, MAX_MODELS)?;
-    for id in &a.held {
-        check_len("advert.held", id, MAX_STRING_BYTES)?;
+    check_count("advert.models", &a.models, MAX_MODELS)?;
+    for model in &a.models {
+        check_len("advert.models", model, MAX_STRING_BYTES)?;
     }
     Ok(NodeAdvert {
         mem_bandwidth: check_figure("advert.mem_bandwidth", a.mem_bandwidth)?,
@@ -151,7 +151,7 @@ pub fn advert_from_proto(a: v1::Advert, signer: &PeerId) -> Result<NodeAdvert, W
         memory_offered: a.memory_offered,
         backend: a.backend,
         addresses: a.addresses,
-        held: a.held,
+        models: a.models,
     })
 }
 

@@ -22,9 +22,9 @@ fn advert(id: &PeerId, other: &PeerId) -> NodeAdvert {
         flops: 1.2e11,
         backend: "cpu".into(),
         addresses: vec!["/ip4/10.0.0.1/tcp/52416".into()],
+        models: vec!["qwen".into()],
         wants: vec![footprint],
         plan: Some(Plan { epoch: Epoch { round: 7, leader: me.clone() }, members: vec![me, you], placements }),
-        held: vec!["gemma3-270m".into()],
     }
 }
 

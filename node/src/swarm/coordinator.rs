@@ -42,11 +42,29 @@ pub struct ClusterSnapshot {
     pub members: Vec<NodeAdvert>,
     pub plan: Option<Plan>,
     pub rtt_ms: BTreeMap<String, f64>,
+    /// This node's stages by model: their layers and how their load went.
+    pub stages: BTreeMap<String, StageStatus>,
+}
+
+/// One of this node's stages, as loaded (or loading) under the plan in force.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct StageStatus {
+    pub start: usize,
+    pub end: usize,
+    pub state: StageState,
+}
+
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StageState {
+    Loading,
+    Ready,
+    Failed(String),
 }
 
 enum Command {
     Generate { request: GenerateRequest, events: mpsc::Sender<TokenEvent> },
-    Want { model: String, reply: oneshot::Sender<Result<(), SwarmError>> },
+    ServeOnly { path: PathBuf, footprint: ModelFootprint },
     Snapshot { reply: oneshot::Sender<ClusterSnapshot> },
 }
 
@@ -66,11 +84,17 @@ impl SwarmHandle {
         Ok(rx)
     }
 
-    /// Asks the leader to place a local model (gossiped until a plan holds it).
-    pub async fn want(&self, model: &str) -> Result<(), SwarmError> {
-        let (reply, rx) = oneshot::channel();
-        self.commands.send(Command::Want { model: model.to_string(), reply }).await.map_err(|_| SwarmError::ShutDown)?;
-        rx.await.map_err(|_| SwarmError::ShutDown)?
+    /// Makes `model` (files at `path` on this node) the one model this node asks the swarm to
+    /// place, letting go of any other it asked for; also advertises that we hold its files.
+    /// Reading the model's header to size it happens here, on the blocking pool, never in the
+    /// coordinator's loop.
+    pub async fn serve_only(&self, model: &str, path: PathBuf) -> Result<(), SwarmError> {
+        let footprint = {
+            let (id, path) = (model.to_string(), path.clone());
+            tokio::task::spawn_blocking(move || footprint(&id, &path)).await.map_err(|e| SwarmError::Model { model: model.to_string(), reason: e.to_string() })??
+        };
+        self.commands.send(Command::ServeOnly { path, footprint }).await.map_err(|_| SwarmError::ShutDown)?;
+        Ok(())
     }
 
     pub async fn snapshot(&self) -> Result<ClusterSnapshot, SwarmError> {
@@ -87,8 +111,10 @@ pub fn spawn(config: SwarmConfig, net: NetHandle, mut net_events: mpsc::Receiver
     let state = ClusterState::new(config.advert.clone(), config.cluster, highest_round);
     // The plan in force, read by pipeline tasks without a round trip through the loop.
     let (plan_tx, plan_rx) = watch::channel::<Option<Arc<Plan>>>(None);
+    // Stage loads report back here from the stage thread.
+    let (stage_done_tx, mut stage_done) = mpsc::unbounded_channel::<(String, LayerRange, Result<(), String>)>();
     let hop = HopContext { me: config.advert.id.clone(), net: net.clone(), stages: StageHost::spawn(), plan: plan_rx, hop_deadline: config.hop_deadline };
-    let mut actor = Coordinator { config, state, net, hop, plan_tx, loaded: HashMap::new(), rtt: BTreeMap::new(), started: Instant::now(), persisted_round: highest_round };
+    let mut actor = Coordinator { config, state, net, hop, plan_tx, loaded: HashMap::new(), stage_done_tx, rtt: BTreeMap::new(), started: Instant::now(), persisted_round: highest_round };
     tokio::spawn(async move {
         let mut ticker = tokio::time::interval(actor.config.advert_every);
         loop {
@@ -103,6 +129,7 @@ pub fn spawn(config: SwarmConfig, net: NetHandle, mut net_events: mpsc::Receiver
                     Some(e) => actor.net_event(e),
                     None => break,
                 },
+                Some((model, range, result)) = stage_done.recv() => actor.stage_loaded(model, range, result),
                 _ = ticker.tick() => {
                     actor.input(Input::Tick);
                     actor.publish_advert();
@@ -120,8 +147,9 @@ struct Coordinator {
     hop: HopContext,
     /// Publishes each new plan in force to pipeline tasks (`HopContext::plan`).
     plan_tx: watch::Sender<Option<Arc<Plan>>>,
-    /// The range loaded (or loading) per model on this node.
-    loaded: HashMap<String, LayerRange>,
+    /// The range loaded (or loading) per model on this node, and how its load went.
+    loaded: HashMap<String, (LayerRange, StageState)>,
+    stage_done_tx: mpsc::UnboundedSender<(String, LayerRange, Result<(), String>)>,
     rtt: BTreeMap<String, f64>,
     started: Instant,
     persisted_round: u64,
@@ -135,48 +163,29 @@ impl Coordinator {
     fn command(&mut self, command: Command) {
         match command {
             Command::Generate { request, events } => {
-                let footprint = self.footprint(&request.model);
-                if let Ok(fp) = &footprint {
-                    let now = self.now();
-                    let out = self.state.want(fp.clone(), now);
-                    self.outputs(out);
-                }
-                let hop = self.hop.clone();
-                tokio::spawn(async move {
-                    match footprint {
-                        Ok(_) => entry::run(hop, request, events).await,
-                        Err(e) => {
-                            let _ = events.send(TokenEvent::Error(e.to_string())).await;
-                        }
-                    }
-                });
+                // The entry waits for a plan that places the model (`serve_only` asked for it).
+                tokio::spawn(entry::run(self.hop.clone(), request, events));
             }
-            Command::Want { model, reply } => {
-                let result = self.footprint(&model).map(|fp| {
-                    let now = self.now();
-                    let out = self.state.want(fp, now);
-                    self.outputs(out);
-                });
-                let _ = reply.send(result);
+            Command::ServeOnly { path, footprint } => {
+                self.config.models.insert(footprint.model.clone(), path);
+                let now = self.now();
+                let mut out = self.state.set_local_models(self.config.models.keys().cloned().collect(), now);
+                out.extend(self.state.set_wants(vec![footprint], now));
+                self.outputs(out);
             }
             Command::Snapshot { reply } => {
                 let members = self.state.alive().iter().filter_map(|id| self.state.advert_of(id).cloned()).collect();
+                let stages = self.loaded.iter().map(|(m, (r, st))| (m.clone(), StageStatus { start: r.start, end: r.end, state: st.clone() })).collect();
                 let _ = reply.send(ClusterSnapshot {
                     me: self.state.id().clone(),
                     leader: self.state.leader().clone(),
                     members,
                     plan: self.state.plan().cloned(),
                     rtt_ms: self.rtt.clone(),
+                    stages,
                 });
             }
         }
-    }
-
-    fn footprint(&self, model: &str) -> Result<ModelFootprint, SwarmError> {
-        let path = self.config.models.get(model).ok_or_else(|| SwarmError::UnknownModel(model.to_string()))?;
-        let source = ModelSource::open(path).map_err(|e| SwarmError::Model { model: model.to_string(), reason: e.to_string() })?;
-        let (bytes_per_layer, embedding_bytes, head_bytes) = source.footprint_bytes();
-        Ok(ModelFootprint { model: model.to_string(), layers: source.spec.num_layers, bytes_per_layer, embedding_bytes, head_bytes })
     }
 
     fn net_event(&mut self, event: NetEvent) {
@@ -251,20 +260,19 @@ impl Coordinator {
             }
         }
         for (model, range) in &mine {
-            if self.loaded.get(model) == Some(range) {
+            if self.loaded.get(model).is_some_and(|(r, _)| r == range) {
                 continue;
             }
             let Some(path) = self.config.models.get(model).cloned() else {
                 tracing::warn!(target: "shoal::cluster", %model, "the plan gives this node a stage of a model it does not have");
                 continue;
             };
-            let label = model.clone();
+            let (label, range_done, done) = (model.clone(), *range, self.stage_done_tx.clone());
+            tracing::info!(target: "shoal::cluster", event = "stage_loading", %model, start = range.start, end = range.end);
             self.hop.stages.load(model.clone(), path, *range, Box::new(move |r| {
-                if let Err(e) = r {
-                    tracing::warn!(target: "shoal::cluster", model = %label, "loading a stage failed: {e}");
-                }
+                let _ = done.send((label, range_done, r.map_err(|e| e.to_string())));
             }));
-            self.loaded.insert(model.clone(), *range);
+            self.loaded.insert(model.clone(), (*range, StageState::Loading));
         }
         let gone: Vec<String> = self.loaded.keys().filter(|m| !mine.contains_key(*m)).cloned().collect();
         for model in gone {
@@ -272,6 +280,23 @@ impl Coordinator {
             self.loaded.remove(&model);
         }
         self.plan_tx.send_replace(plan.map(Arc::new));
+    }
+
+    fn stage_loaded(&mut self, model: String, range: LayerRange, result: Result<(), String>) {
+        let Some((current, state)) = self.loaded.get_mut(&model) else { return };
+        if *current != range {
+            return; // a later plan moved this stage while it loaded
+        }
+        match result {
+            Ok(()) => {
+                tracing::info!(target: "shoal::cluster", event = "stage_ready", %model, start = range.start, end = range.end);
+                *state = StageState::Ready;
+            }
+            Err(e) => {
+                tracing::warn!(target: "shoal::cluster", event = "stage_failed", %model, error = %e);
+                *state = StageState::Failed(e);
+            }
+        }
     }
 
     fn publish_advert(&self) {
@@ -282,6 +307,13 @@ impl Coordinator {
             let _ = net.publish_advert(&advert).await;
         });
     }
+}
+
+/// What placing `model` (files at `path`) takes, read from its header.
+fn footprint(model: &str, path: &std::path::Path) -> Result<ModelFootprint, SwarmError> {
+    let source = ModelSource::open(path).map_err(|e| SwarmError::Model { model: model.to_string(), reason: e.to_string() })?;
+    let (bytes_per_layer, embedding_bytes, head_bytes) = source.footprint_bytes();
+    Ok(ModelFootprint { model: model.to_string(), layers: source.spec.num_layers, bytes_per_layer, embedding_bytes, head_bytes })
 }
 
 pub(super) fn peer_of(node: &str) -> Option<PeerId> {

@@ -22,8 +22,12 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
     pub max_tokens: usize,
     pub stop_ids: Vec<u32>,
-    /// How long to wait for a usable plan (at the start, and again after a failure).
+    /// How long to wait for a usable plan before the first token (placing and loading a model
+    /// take a while).
     pub plan_wait: Duration,
+    /// How long to keep rebuilding after a failure once tokens have reached the client: past
+    /// it the client gets an error rather than a stream that stalls.
+    pub failover_wait: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -63,10 +67,14 @@ pub async fn run(hop: HopContext, request: GenerateRequest, events: mpsc::Sender
             Some(Err(e)) => Some(e.clone()),
             _ => None,
         });
-        let outcome = match (&first, placement_error) {
-            (_, Some(e)) => Err(e),
-            (None, None) => Err(format!("no plan places {} yet", request.model)),
-            (Some((epoch, node)), None) => {
+        if let Some(e) = placement_error {
+            // The leader has judged this model against the whole swarm: waiting will not help.
+            let _ = events.send(TokenEvent::Error(e)).await;
+            break;
+        }
+        let outcome = match &first {
+            None => Err(format!("no plan places {} yet", request.model)),
+            Some((epoch, node)) => {
                 let f = v1::ForwardRequest {
                     version: shoal_proto::WIRE_VERSION,
                     request_id,
@@ -81,10 +89,19 @@ pub async fn run(hop: HopContext, request: GenerateRequest, events: mpsc::Sender
                         seen[seen.len().saturating_sub(request.sampling.penalty_window)..].to_vec()
                     },
                 };
-                match forward::send(&hop, node, f).await.output {
-                    Some(forward_response::Output::Token(t)) => Ok(t),
-                    Some(forward_response::Output::Error(e)) => Err(e.message),
-                    _ => Err("a pipeline step returned no token".into()),
+                // While rebuilding after a failure, a step (e.g. one waiting for a stage to load)
+                // may take only what is left of the patience, so the client hears in time.
+                let left = trouble_since.map(|since| patience(&request, generated).saturating_sub(since.elapsed()));
+                let step = forward::send(&hop, node, f);
+                let response = match left {
+                    Some(left) => tokio::time::timeout(left, step).await.map_err(|_| "the pipeline was not rebuilt in time".to_string()),
+                    None => Ok(step.await),
+                };
+                match response.map(|r| r.output) {
+                    Err(e) => Err(e),
+                    Ok(Some(forward_response::Output::Token(t))) => Ok(t),
+                    Ok(Some(forward_response::Output::Error(e))) => Err(e.message),
+                    Ok(_) => Err("a pipeline step returned no token".into()),
                 }
             }
         };
@@ -109,7 +126,7 @@ pub async fn run(hop: HopContext, request: GenerateRequest, events: mpsc::Sender
             }
             Err(e) => {
                 let since = *trouble_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= request.plan_wait {
+                if since.elapsed() >= patience(&request, generated) {
                     let _ = events.send(TokenEvent::Error(e)).await;
                     break;
                 }
@@ -119,11 +136,21 @@ pub async fn run(hop: HopContext, request: GenerateRequest, events: mpsc::Sender
                 position = 0;
                 input = request.prompt.clone();
                 replay = tokens[request.prompt.len()..].iter().copied().collect();
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
     }
     release_everywhere(&hop, &request.model, request_id).await;
+}
+
+/// How long a request may spend rebuilding: long before its first token (placing and loading
+/// a model take a while), short once the client is reading a stream.
+fn patience(request: &GenerateRequest, generated: usize) -> Duration {
+    if generated == 0 {
+        request.plan_wait
+    } else {
+        request.failover_wait
+    }
 }
 
 /// Lets every stage of the plan forget the request (best effort).

@@ -7,7 +7,7 @@ mod coordinator;
 mod entry;
 mod forward;
 
-pub use coordinator::{spawn, ClusterSnapshot, SwarmConfig, SwarmHandle};
+pub use coordinator::{spawn, ClusterSnapshot, StageState, StageStatus, SwarmConfig, SwarmHandle};
 pub use entry::{GenerateRequest, TokenEvent};
 
 /// Why a swarm call failed.
@@ -17,9 +17,6 @@ pub enum SwarmError {
     /// The coordinator has stopped.
     #[error("the swarm runtime has shut down")]
     ShutDown,
-    /// No local file for this model id, so it cannot be placed from here.
-    #[error("model `{0}` is not available on this node")]
-    UnknownModel(String),
     /// The model's files could not be read to size it.
     #[error("model `{model}`: {reason}")]
     Model { model: String, reason: String },
