@@ -15,6 +15,8 @@
 //! - pipeline: layer-range stages chained through wire-format hidden states equal one node
 //! - net: the libp2p swarm actor on loopback (static peers, no mDNS): mesh, adverts, RPCs,
 //!   cluster keys, malformed gossip, dead peers and silent links
+//! - models: pulls from a local server speaking the hub's API (resume, verification, 401/404,
+//!   stage-only fetch) and peer copies between real swarms (hub untouched, lying peer caught)
 //! - swarm: real libp2p swarms on loopback run a pipeline across nodes and survive a lost stage
 //! - netns: real `shoal serve` processes in network namespaces, mDNS only: split, kill, cluster key
 //! - simulator: seeded churn over the cluster state machines, invariants every step
@@ -29,6 +31,7 @@ mod gguf_tokenizer;
 mod kernels;
 mod pipeline;
 mod launchers;
+mod models;
 mod net;
 mod real_models;
 mod sharding;

@@ -572,6 +572,7 @@
     const plans = Array.isArray(c.plans) ? c.plans : [];
     const links = Array.isArray(c.links) ? c.links : [];
     const progress = Array.isArray(c.progress) ? c.progress : [];
+    const downloads = Array.isArray(c.downloads) ? c.downloads : [];
     const colour = new Map(nodes.map((n, i) => [n.id, i % PALETTE]));
     const nameOf = (id) => { const n = nodes.find((x) => x.id === id); return n ? (n.name || shortId(id)) : shortId(id); };
 
@@ -631,8 +632,14 @@
           h('td', {}, Number.isFinite(l.rtt_ms) ? l.rtt_ms.toFixed(l.rtt_ms < 10 ? 2 : 0) + ' ms' : '—')))))
       : h('p', { class: 'muted' }, nodes.length > 1 ? 'No links measured yet.' : 'No links: one node.'));
 
-    el.progressSection.hidden = !progress.length;
-    el.progressList.replaceChildren(...progress.map((p) => h('div', { class: 'progress', 'data-testid': 'cluster-progress' },
+    el.progressSection.hidden = !progress.length && !downloads.length;
+    const downloadRows = downloads.map((d) => h('div', { class: 'progress', 'data-testid': 'cluster-download', 'data-model': d.model },
+      h('div', { class: 'kv' }, h('span', { class: 'mono' }, d.model), ' ' + (d.phase || '') + (d.source ? ' from ' + d.source : '') + ' on ' + nameOf(d.node) +
+        (Number.isFinite(d.fraction) ? ' — ' + Math.round(d.fraction * 100) + '%' : '') +
+        ' (' + fmtBytes(Number(d.bytes_done) || 0) + (d.bytes_total != null ? ' of ' + fmtBytes(Number(d.bytes_total)) : '') +
+        (Number(d.bytes_per_s) > 0 ? ', ' + fmtRate(Number(d.bytes_per_s), 'B/s') : '') + ')' + (d.error ? ' — ' + d.error : '')),
+      meter(Number.isFinite(d.fraction) ? d.fraction : 0, (d.phase || 'download') + ' ' + d.model, 'download')));
+    el.progressList.replaceChildren(...downloadRows, ...progress.map((p) => h('div', { class: 'progress', 'data-testid': 'cluster-progress' },
       h('div', { class: 'kv' }, h('span', { class: 'mono' }, p.model), ' ' + (p.phase || '') + ' on ' + nameOf(p.node) +
         (Number.isFinite(p.fraction) ? ' — ' + Math.round(p.fraction * 100) + '%' : '…')),
       Number.isFinite(p.fraction)

@@ -6,5 +6,6 @@ pub mod api;
 pub mod cluster;
 pub mod engine;
 pub mod identity;
+pub mod models;
 pub mod net;
 pub mod swarm;

@@ -14,12 +14,17 @@ use shoal::api::{ApiConfig, NodeInfo, Server, ServerParts};
 use shoal::engine::{GenerationEvent, GenerationRequest, LoadOptions, LoadedModel, SamplingParams};
 use tokio_util::sync::CancellationToken;
 
+mod models_cmd;
+
 #[derive(Parser)]
 #[command(name = "shoal", version, about = "peer-to-peer LLM inference swarm")]
 #[command(args_conflicts_with_subcommands = true)]
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
+    /// Where the node keeps its key and models (default: the platform's data dir + /shoal).
+    #[arg(long, global = true)]
+    data_dir: Option<PathBuf>,
     /// With no subcommand, `shoal [options]` is `shoal serve [options]`.
     #[command(flatten)]
     serve: ServeArgs,
@@ -33,6 +38,8 @@ enum Command {
     Serve(ServeArgs),
     /// Measure prompt processing and decode speed of a model on this machine.
     Bench(BenchArgs),
+    /// List, pull, remove and import models; share them with peers.
+    Models(models_cmd::ModelsArgs),
 }
 
 #[derive(clap::Args)]
@@ -65,9 +72,6 @@ struct ServeArgs {
     /// Address to listen on (0.0.0.0: every interface).
     #[arg(long, default_value = "0.0.0.0")]
     host: std::net::IpAddr,
-    /// Where the node keeps its key and models (default: the platform's data dir + /shoal).
-    #[arg(long)]
-    data_dir: Option<PathBuf>,
     /// A model (GGUF file or model directory) to load at start.
     #[arg(long)]
     model: Option<PathBuf>,
@@ -103,7 +107,7 @@ struct ServeArgs {
 
 #[derive(clap::Args)]
 struct RunArgs {
-    /// A GGUF file or a Hugging Face model directory.
+    /// A GGUF file, a Hugging Face model directory, or the id of a model in the store.
     #[arg(long)]
     model: PathBuf,
     /// The prompt text.
@@ -145,10 +149,11 @@ fn main() -> std::process::ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Some(Command::Run(args)) => run(args),
-        Some(Command::Serve(args)) => serve(args),
+        Some(Command::Run(args)) => run(args, cli.data_dir),
+        Some(Command::Serve(args)) => serve(args, cli.data_dir),
+        Some(Command::Models(args)) => data_dir(cli.data_dir).and_then(|d| models_cmd::run(args, &d)),
         Some(Command::Bench(args)) => bench(args),
-        None => serve(cli.serve),
+        None => serve(cli.serve, cli.data_dir),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -159,7 +164,7 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn run(args: RunArgs) -> anyhow::Result<()> {
+fn run(mut args: RunArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> {
     let t0 = std::time::Instant::now();
     let prompt_text = match (&args.prompt, &args.prompt_file) {
         (Some(p), _) => p.clone(),
@@ -167,6 +172,13 @@ fn run(args: RunArgs) -> anyhow::Result<()> {
         (None, Some(f)) => std::fs::read_to_string(f).with_context(|| format!("reading the prompt from {}", f.display()))?,
         (None, None) => anyhow::bail!("give --prompt or --prompt-file"),
     };
+    if !args.model.exists() {
+        // Not a path: a model id of this node's store.
+        let id = args.model.to_string_lossy().into_owned();
+        let store = shoal::models::Store::open(&data_dir(data_dir_flag)?, vec![]);
+        args.model = store.find(&id).map(|m| m.path).with_context(|| format!("{id}: no such file, and no model with this id here (see `shoal models list`)"))?;
+    }
+    models_cmd::read_with_progress(&args.model);
     let opts = LoadOptions { context_limit: args.context, ..LoadOptions::default() };
     let model = LoadedModel::load(&args.model, &opts).with_context(|| format!("loading {}", args.model.display()))?;
     eprintln!(
@@ -245,11 +257,16 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let data_dir = match args.data_dir {
-        Some(d) => d,
-        None => dirs::data_dir().context("no platform data directory: pass --data-dir")?.join("shoal"),
-    };
+/// `--data-dir`, or the platform's data directory + `/shoal`.
+fn data_dir(flag: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    match flag {
+        Some(d) => Ok(d),
+        None => Ok(dirs::data_dir().context("no platform data directory: pass --data-dir")?.join("shoal")),
+    }
+}
+
+fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> {
+    let data_dir = data_dir(data_dir_flag)?;
     let key = shoal::identity::load_or_create(&data_dir)?;
     let cluster_key = args.cluster_key.as_deref().map(shoal::net::load_cluster_key).transpose()?;
     let node = NodeInfo {
@@ -268,8 +285,8 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         queue_timeout: std::time::Duration::from_secs(args.queue_timeout),
         shutdown_timeout: std::time::Duration::from_secs(5),
     };
-    let (catalogue, preload) = shoal::api::open_catalogue(&config)?;
-    let local: std::collections::BTreeMap<String, PathBuf> = catalogue.scan().into_iter().map(|m| (m.id, m.path)).collect();
+    let (store, preload) = shoal::api::open_store(&config)?;
+    let local: std::collections::BTreeMap<String, PathBuf> = store.scan().into_iter().map(|m| (m.id, m.path)).collect();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).thread_name("shoal-io").enable_all().build()?;
     runtime.block_on(async move {
         let shutdown = CancellationToken::new();
@@ -307,8 +324,12 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
             net_events,
             shutdown.child_token(),
         );
-        let parts = ServerParts { catalogue, preload, machine, swarm };
+        // Peers copy model files from this node's store (`shoal models pull --peer`, or a
+        // peer's `/v1/models/pull`), and this node's pulls copy from its peers.
+        tokio::spawn(shoal::models::peer::serve(net.clone(), store.clone(), shutdown.child_token()));
+        let parts = ServerParts { store, preload, machine, swarm };
         let server = Server::bind(listener, config, node, parts, &shutdown).await?;
+        server.attach_net(net.clone());
         let addr = server.local_addr();
         eprintln!("shoal node {id}");
         eprintln!("measured {:.1} GFLOP/s f32, {:.1} GB/s memory read", machine.flops / 1e9, machine.mem_bandwidth / 1e9);

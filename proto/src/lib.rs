@@ -7,6 +7,9 @@ pub const WIRE_VERSION: u32 = 1;
 /// No message larger than this is decoded; checked before allocation.
 pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
+/// The largest byte range one peer-copy `ReadRange` may ask for.
+pub const MAX_CHUNK_BYTES: usize = 4 << 20;
+
 /// No gossiped message (an advert) is larger than this; gossipsub drops bigger ones unread.
 pub const MAX_GOSSIP_BYTES: usize = 1 << 20;
 

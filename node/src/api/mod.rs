@@ -5,11 +5,11 @@
 //! does, on this node's stage thread or on other nodes). See docs/api.md for the contract.
 
 pub mod assets;
-pub mod catalogue;
 pub mod error;
 pub mod generation;
 pub mod metrics;
 pub mod node_view;
+pub mod pulls;
 pub mod request;
 pub mod scheduler;
 
@@ -29,7 +29,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::engine::probe::MachineProfile;
 use crate::swarm::SwarmHandle;
-use catalogue::{Catalogue, LocalModel};
+use crate::models::store::{any_model_path, inspect};
+use crate::models::{LocalModel, Progress, Store};
 use error::ApiError;
 use metrics::Metrics;
 use scheduler::{SchedulerConfig, SchedulerHandle};
@@ -82,7 +83,16 @@ pub struct App {
     pub(crate) node: NodeInfo,
     pub(crate) config: ApiConfig,
     pub(crate) scheduler: SchedulerHandle,
-    pub(crate) catalogue: Catalogue,
+    /// The models on disk, shared with the peer-copy server (`models::peer::serve`).
+    pub(crate) store: Arc<Store>,
+    /// Downloads and peer copies in progress, shown in `/v1/cluster` `downloads`.
+    pub(crate) progress: Progress,
+    /// Names being pulled through `/v1/models/pull` (a second request joins the first).
+    pub(crate) pulls: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// Cancelled when the server stops: ends running pulls (their partial files stay).
+    pub(crate) pull_cancel: CancellationToken,
+    /// The swarm's network, once attached: pulls copy from connected peers before the hub.
+    pub(crate) net: std::sync::Mutex<Option<crate::net::NetHandle>>,
     pub(crate) metrics: Arc<Metrics>,
     pub(crate) machine: MachineProfile,
     pub(crate) addresses: Vec<String>,
@@ -101,7 +111,7 @@ impl App {
             return Ok(m.clone());
         }
         let app = self.clone();
-        let local = tokio::task::spawn_blocking(move || app.catalogue.scan()).await.unwrap_or_default();
+        let local = tokio::task::spawn_blocking(move || app.store.scan()).await.unwrap_or_default();
         match local.iter().find(|m| m.id == name) {
             Some(m) if current.is_some_and(|c| c.path == m.path) => Ok(current.cloned().unwrap_or_else(|| m.clone())),
             Some(m) => self.check_fits(m).await.map(|_| m.clone()),
@@ -116,17 +126,17 @@ impl App {
 
 /// The local model files this node knows (data dir, `SHOAL_MODELS`, the fetch cache, and
 /// `--model`), and `--model` itself, checked to be a model.
-pub fn open_catalogue(config: &ApiConfig) -> Result<(Catalogue, Option<LocalModel>), ServeError> {
+pub fn open_store(config: &ApiConfig) -> Result<(Arc<Store>, Option<LocalModel>), ServeError> {
     let preload = match &config.preload {
-        Some(path) => Some(catalogue::inspect(path).or_else(|| catalogue::any_model_path(path)).ok_or_else(|| ServeError::NoModel(path.clone()))?),
+        Some(path) => Some(inspect(path).or_else(|| any_model_path(path)).ok_or_else(|| ServeError::NoModel(path.clone()))?),
         None => None,
     };
-    Ok((Catalogue::new(&config.data_dir, preload.iter().map(|m| m.path.clone()).collect()), preload))
+    Ok((Arc::new(Store::open(&config.data_dir, preload.iter().map(|m| m.path.clone()).collect())), preload))
 }
 
 /// What the node made before the server: its local models, its measured profile, its swarm.
 pub struct ServerParts {
-    pub catalogue: Catalogue,
+    pub store: Arc<Store>,
     /// `--model`, checked to be a model.
     pub preload: Option<LocalModel>,
     pub machine: MachineProfile,
@@ -157,13 +167,14 @@ impl Server {
 
     /// Starts the scheduler on a bound listener and queues `--model`'s load.
     pub async fn bind(listener: TcpListener, config: ApiConfig, node: NodeInfo, parts: ServerParts, shutdown: &CancellationToken) -> Result<Server, ServeError> {
-        let ServerParts { catalogue, preload, machine, swarm } = parts;
+        let ServerParts { store, preload, machine, swarm } = parts;
         let metrics = Arc::new(Metrics::new());
         let scheduler_token = shutdown.child_token();
         let scheduler_config = SchedulerConfig { max_queue: config.max_queue, queue_timeout: config.queue_timeout, context_limit: config.context };
         let (scheduler, scheduler_task) = SchedulerHandle::spawn(scheduler_config, swarm.clone(), metrics.clone(), scheduler_token.clone());
         let addresses = Self::reachable_addresses(&listener).await;
-        let app = Arc::new(App { node, config, scheduler, catalogue, metrics, machine, addresses, swarm });
+        let (progress, pulls, pull_cancel, net) = (Progress::default(), Default::default(), shutdown.child_token(), Default::default());
+        let app = Arc::new(App { node, config, scheduler, store, progress, pulls, pull_cancel, net, metrics, machine, addresses, swarm });
         // No size check here: the peers that could hold the model with us may not have joined
         // yet. The swarm places it once they have; until then `/v1/cluster` shows why not.
         if let Some(model) = preload {
@@ -178,6 +189,16 @@ impl Server {
 
     pub fn machine(&self) -> MachineProfile {
         self.app.machine
+    }
+
+    /// Lets `/v1/models/pull` copy from this network's connected peers before the hub.
+    pub fn attach_net(&self, net: crate::net::NetHandle) {
+        *self.app.net.lock().unwrap_or_else(|p| p.into_inner()) = Some(net);
+    }
+
+    /// The node's download progress registry (`/v1/cluster` `downloads`).
+    pub fn progress(&self) -> Progress {
+        self.app.progress.clone()
     }
 
     /// Serves until `shutdown` is cancelled, then closes gracefully within the configured
@@ -223,6 +244,8 @@ fn router(app: Arc<App>) -> Router {
         .route("/completions", post(generation::completions))
         .route("/models", get(node_view::list_models))
         .route("/models/load", post(node_view::load_model))
+        .route("/models/pull", post(pulls::pull_model))
+        .route("/catalogue", get(pulls::catalogue))
         .route("/models/{id}", get(node_view::get_model))
         .route("/cluster", get(node_view::cluster))
         .fallback(|req: Request| async move { ApiError::NoRoute(req.uri().path().to_string()) })

@@ -1,8 +1,9 @@
 //! What this node says about itself and its swarm: `/v1/models` (loaded and local models, and
 //! whether each fits the memory offered), `/v1/models/load`, `/v1/cluster` (every member, the
-//! leader and epoch, the plan's stages, link RTTs, load progress, placement errors) and
-//! `/health`. Memory comes from the OS, capped by `--memory-limit`. It holds no state of its
-//! own: it reads the scheduler's published view and the swarm's snapshot.
+//! leader and epoch, the plan's stages, link RTTs, load progress, placement errors, this
+//! node's downloads) and `/health`. Memory comes from the OS, capped by `--memory-limit`.
+//! It holds no state of its own: it reads the scheduler's published view, the swarm's
+//! snapshot and the download progress registry.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -15,7 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::catalogue::LocalModel;
+use crate::models::LocalModel;
 use super::error::ApiError;
 use super::scheduler::SchedulerState;
 use super::App;
@@ -71,7 +72,7 @@ impl App {
             let state = app.scheduler.state();
             let loaded = state.loaded.as_ref().map(|l| &l.model);
             let room = app.room_for_a_model(&state);
-            let mut models = app.catalogue.scan();
+            let mut models = app.store.scan();
             if let Some(l) = loaded {
                 models.retain(|m| m.path != l.path);
                 models.insert(0, l.clone());
@@ -80,7 +81,7 @@ impl App {
                 .iter()
                 .map(|m| {
                     let is_loaded = loaded.is_some_and(|l| l.path == m.path);
-                    let details = app.catalogue.details(m);
+                    let details = app.store.details(m);
                     let created = std::fs::metadata(&m.path).and_then(|md| md.modified()).ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_secs());
                     json!({
                         "id": m.id, "object": "model", "created": created, "owned_by": "shoal",
@@ -140,7 +141,7 @@ pub async fn cluster(State(app): State<Arc<App>>) -> Json<Value> {
     // Bytes of our own stages, which count against our memory limit.
     let sizes: std::collections::HashMap<String, u64> = tokio::task::spawn_blocking({
         let app = app.clone();
-        move || app.catalogue.scan().into_iter().map(|m| (m.id, m.size_bytes)).collect()
+        move || app.store.scan().into_iter().map(|m| (m.id, m.size_bytes)).collect()
     })
     .await
     .unwrap_or_default();
@@ -194,8 +195,26 @@ pub async fn cluster(State(app): State<Arc<App>>) -> Json<Value> {
     let error = state.last_error.clone().or_else(|| (!placement_errors.is_empty()).then(|| placement_errors.join("; ")));
     Json(json!({
         "self": me, "leader": snapshot.leader, "epoch": epoch,
-        "nodes": nodes, "links": links, "plans": plans, "progress": progress, "error": error,
+        "nodes": nodes, "links": links, "plans": plans, "progress": progress,
+        "downloads": downloads(&app), "error": error,
     }))
+}
+
+/// `/v1/cluster` `downloads`: this node's pulls and peer copies (running, or ended within
+/// the last 30 s), from the progress registry.
+pub fn downloads(app: &App) -> Vec<Value> {
+    let me = &app.node.id;
+    app.progress
+        .snapshot()
+        .into_iter()
+        .map(|t| {
+            json!({
+                "node": me, "model": t.model, "phase": t.phase, "source": t.source, "file": t.file,
+                "bytes_done": t.bytes_done, "bytes_total": t.bytes_total, "fraction": t.fraction,
+                "bytes_per_s": t.bytes_per_s, "error": t.error,
+            })
+        })
+        .collect()
 }
 
 /// The addresses a client can reach this listener on: every interface's address when bound to

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
-use super::catalogue::LocalModel;
+use crate::models::LocalModel;
 use super::error::ApiError;
 use super::metrics::Metrics;
 use crate::engine::{FinishReason, GenerationRequest, Usage};

@@ -78,12 +78,10 @@ impl ModelSource {
         (per_layer, embedding, head)
     }
 
-    /// A short human name: the directory or file stem.
+    /// The model's id, by the one rule in `models::id` (the directory's whole name, or the
+    /// file stem of a loose GGUF).
     pub fn name(&self) -> String {
-        let p = if self.path.file_name().map(|n| n == "model.gguf").unwrap_or(false) { self.path.parent().unwrap_or(&self.path) } else { &self.path };
-        // A directory's whole name is the id (`qwen2.5-coder-1.5b`); only files lose their extension.
-        let name = if p.is_dir() { p.file_name() } else { p.file_stem() };
-        name.map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())
+        crate::models::id::model_id(&self.path)
     }
 }
 

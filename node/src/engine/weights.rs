@@ -142,7 +142,14 @@ impl Weights {
             let mut names: Vec<&str> = map.values().filter_map(|v| v.as_str()).collect();
             names.sort_unstable();
             names.dedup();
-            names.iter().map(|n| dir.join(n)).collect()
+            // A pipeline stage's directory holds only the shards with its layers (`models::select`):
+            // map those present; a tensor in a missing shard fails at `Shard::load` as missing.
+            let all: Vec<PathBuf> = names.iter().map(|n| dir.join(n)).collect();
+            let present: Vec<PathBuf> = all.iter().filter(|f| f.exists()).cloned().collect();
+            if present.is_empty() {
+                return Err(EngineError::MissingFile { path: all.first().cloned().unwrap_or(index) });
+            }
+            present
         } else {
             vec![dir.join("model.safetensors")]
         };
@@ -157,7 +164,7 @@ impl Weights {
             .map_err(|e| EngineError::InvalidModel(format!("{}: {e}", dir.display())))?;
         let prefix = ["model.", "model.language_model.", "language_model.model."]
             .into_iter()
-            .find(|p| st.get(&format!("{p}embed_tokens.weight")).is_ok() || st.get(&format!("{p}layers.0.input_layernorm.weight")).is_ok())
+            .find(|p| st.get(&format!("{p}embed_tokens.weight")).is_ok() || st.tensors().iter().any(|(name, _)| name.starts_with(&format!("{p}layers."))))
             .unwrap_or("model.")
             .to_string();
         Ok(Weights::Safetensors { st, prefix, sandwich_norms })

@@ -1,6 +1,7 @@
 //! The libp2p pieces of a node: the transport (TCP with pnet when there is a cluster key, then
 //! noise and yamux, every handshake under one dial timeout; QUIC only without a key) and the
-//! composed behaviour (mDNS, gossipsub, identify, ping, request-response). Only builds them:
+//! composed behaviour (mDNS, gossipsub, identify, ping, request-response for control RPCs and
+//! for peer copy of model files). Only builds them:
 //! `event_loop` drives the swarm. `build_swarm` is public so that tests can stand up a rogue
 //! peer that speaks the same protocols; nothing else in the program should call it.
 
@@ -19,6 +20,7 @@ use libp2p::swarm::NetworkBehaviour;
 use libp2p::{identify, mdns, noise, ping, quic, tcp, yamux, PeerId, Swarm, SwarmBuilder};
 
 use super::codec::{ProstCodec, RPC_PROTOCOL};
+use super::files::{FileCodec, FILES_PROTOCOL};
 use super::{NetConfig, NetError, NetTimers};
 
 /// The gossipsub topic of adverts; the version is in the name so that a new wire format can
@@ -40,6 +42,8 @@ pub struct Behaviour {
     pub identify: identify::Behaviour,
     pub ping: ping::Behaviour,
     pub rpc: request_response::Behaviour<ProstCodec>,
+    /// Peer copy of model files (`files.rs`).
+    pub files: request_response::Behaviour<FileCodec>,
 }
 
 impl Behaviour {
@@ -63,6 +67,11 @@ impl Behaviour {
             rpc: request_response::Behaviour::with_codec(
                 ProstCodec::default(),
                 [(RPC_PROTOCOL, ProtocolSupport::Full)],
+                request_response::Config::default().with_request_timeout(t.rpc_max),
+            ),
+            files: request_response::Behaviour::with_codec(
+                FileCodec,
+                [(FILES_PROTOCOL, ProtocolSupport::Full)],
                 request_response::Config::default().with_request_timeout(t.rpc_max),
             ),
         })

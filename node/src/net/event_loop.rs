@@ -1,5 +1,6 @@
 //! The actor that owns the `Swarm`: a `select!` over (biased, in this order) cancellation,
-//! commands from handles, the application's answers to inbound RPCs, RPC deadlines, the
+//! commands from handles, the application's answers to inbound RPCs, RPC deadlines (control
+//! RPCs, then peer-copy file calls, whose book is `files::FileRpcs`), the
 //! housekeeping tick (ping watchdog, redial) and swarm events. Every pending RPC ends exactly
 //! once: by its response, a failure, a closed connection (libp2p fails the request) or its
 //! deadline. It never awaits anything but its `select!`, so control is always served.
@@ -22,6 +23,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::behaviour::{advert_topic, Behaviour, BehaviourEvent};
 use super::dialer::{Redial, Watchdog};
+use super::files::FileRpcs;
 use super::handle::{Command, NetCounters};
 use super::{rpc, wire, NetConfig, NetError, NetEvent, NetTimers, WireError};
 
@@ -60,6 +62,8 @@ pub(super) struct EventLoop {
     redial: Redial,
     watchdog: Watchdog,
     topic: TopicHash,
+    /// Peer-copy calls, both ways, and the registered file server.
+    files: FileRpcs,
 }
 
 impl EventLoop {
@@ -90,6 +94,7 @@ impl EventLoop {
             redial,
             watchdog: Watchdog::default(),
             topic: advert_topic().hash(),
+            files: FileRpcs::default(),
         }
     }
 
@@ -99,6 +104,7 @@ impl EventLoop {
         housekeeping.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
             let next_deadline = self.deadlines.peek().map(|Reverse((at, _))| *at);
+            let next_file_deadline = self.files.next_deadline();
             tokio::select! {
                 biased;
                 _ = self.cancel.cancelled() => break,
@@ -108,6 +114,8 @@ impl EventLoop {
                 },
                 Some((id, answer)) = self.answers.next(), if !self.answers.is_empty() => self.on_answer(id, answer),
                 _ = tokio::time::sleep_until(next_deadline.unwrap_or_else(Instant::now)), if next_deadline.is_some() => self.expire(),
+                Some((id, answer)) = self.files.answers.next(), if !self.files.answers.is_empty() => self.files.on_answer(&mut self.swarm.behaviour_mut().files, id, answer),
+                _ = tokio::time::sleep_until(next_file_deadline.unwrap_or_else(Instant::now)), if next_file_deadline.is_some() => self.files.expire(),
                 _ = housekeeping.tick() => self.housekeeping(),
                 event = self.swarm.select_next_some() => self.on_swarm_event(event),
             }
@@ -136,6 +144,14 @@ impl EventLoop {
                 let id = self.swarm.behaviour_mut().rpc.send_request(&peer, request);
                 self.outbound.insert(id, Outbound { peer, deadline, reply });
                 self.deadlines.push(Reverse((Instant::now() + deadline, id)));
+            }
+            Command::FileRequest { peer, request, deadline, reply } => {
+                let deadline = deadline.min(self.timers.rpc_max);
+                self.files.send(&mut self.swarm.behaviour_mut().files, peer, request, deadline, reply);
+            }
+            Command::ServeFiles { sink, reply } => {
+                self.files.set_sink(sink);
+                let _ = reply.send(());
             }
             Command::ListenAddrs { reply } => {
                 let _ = reply.send(self.swarm.listeners().cloned().collect());
@@ -227,6 +243,7 @@ impl EventLoop {
                 self.emit(NetEvent::Rtt { peer, rtt });
             }
             SwarmEvent::Behaviour(BehaviourEvent::Rpc(event)) => self.on_rpc(event),
+            SwarmEvent::Behaviour(BehaviourEvent::Files(event)) => self.files.on_event(&mut self.swarm.behaviour_mut().files, event, &self.counters, self.timers.rpc_max),
             SwarmEvent::ConnectionEstablished { peer_id, connection_id, num_established, endpoint, .. } => {
                 tracing::debug!(target: "shoal::net", peer = %peer_id, addr = %endpoint.get_remote_address(), "connected");
                 self.watchdog.opened(connection_id, Instant::now());

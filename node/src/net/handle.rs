@@ -7,10 +7,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use libp2p::{Multiaddr, PeerId};
-use shoal_proto::v1::{ControlRequest, ControlResponse};
+use shoal_proto::v1::{ControlRequest, ControlResponse, FileRequest, FileResponse};
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
+use super::files::InboundFile;
 use super::{wire, NetError};
 use crate::cluster::NodeAdvert;
 
@@ -22,6 +23,10 @@ pub(super) enum Command {
     Publish { payload: Vec<u8>, reply: oneshot::Sender<Result<(), NetError>> },
     /// Send one RPC; answered by its response, a failure, or the deadline, whichever is first.
     Request { peer: PeerId, request: ControlRequest, deadline: Duration, reply: oneshot::Sender<Result<ControlResponse, NetError>> },
+    /// Send one peer-copy call; ends like `Request`.
+    FileRequest { peer: PeerId, request: FileRequest, deadline: Duration, reply: oneshot::Sender<Result<FileResponse, NetError>> },
+    /// Route inbound file requests to `sink` from now on (replacing any earlier sink).
+    ServeFiles { sink: mpsc::Sender<InboundFile>, reply: oneshot::Sender<()> },
     ListenAddrs { reply: oneshot::Sender<Vec<Multiaddr>> },
     ConnectedPeers { reply: oneshot::Sender<Vec<(PeerId, Option<Duration>)>> },
 }
@@ -101,6 +106,22 @@ impl NetHandle {
     /// `deadline` (cut to `NetTimers::rpc_max`).
     pub async fn request(&self, peer: PeerId, request: ControlRequest, deadline: Duration) -> Result<ControlResponse, NetError> {
         self.call(|reply| Command::Request { peer, request, deadline, reply }).await?
+    }
+
+    /// Sends a peer-copy call (`/shoal/files/1`) to `peer` and waits for its response, at
+    /// most `deadline` (cut to `NetTimers::rpc_max`). The request is checked before it leaves.
+    pub async fn file_request(&self, peer: PeerId, request: FileRequest, deadline: Duration) -> Result<FileResponse, NetError> {
+        super::files::check_request(&request)?;
+        self.call(|reply| Command::FileRequest { peer, request, deadline, reply }).await?
+    }
+
+    /// Starts serving peers' file requests: each arrives on the returned channel (at most
+    /// `capacity` waiting; beyond that peers are told BUSY). Dropping the receiver stops
+    /// serving (requests are refused as NOT_SERVING); a second call replaces the first.
+    pub async fn serve_files(&self, capacity: usize) -> Result<mpsc::Receiver<InboundFile>, NetError> {
+        let (sink, requests) = mpsc::channel(capacity.max(1));
+        self.call(|reply| Command::ServeFiles { sink, reply }).await?;
+        Ok(requests)
     }
 
     /// The addresses the swarm listens on now.

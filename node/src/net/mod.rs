@@ -1,7 +1,8 @@
 //! The libp2p swarm actor: one `EventLoop` task owns the `Swarm`; the rest of the node holds a
 //! cloneable `NetHandle` (commands with oneshot replies) and reads `NetEvent`s from a channel.
 //! It discovers peers (mDNS, static addresses), keeps them connected (redial with back-off,
-//! ping watchdog), gossips adverts and carries control RPCs and data-plane forwards.
+//! ping watchdog), gossips adverts and carries control RPCs, data-plane forwards and peer
+//! copies of model files (`files`).
 //! It decides nothing about the cluster: adverts go in and out as `cluster::NodeAdvert`, and
 //! the meaning of each RPC belongs to whoever answers `NetEvent::Request`.
 
@@ -10,6 +11,7 @@ mod codec;
 mod config;
 mod dialer;
 mod event_loop;
+pub mod files;
 mod handle;
 pub mod round;
 pub mod rpc;
@@ -26,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use behaviour::{build_swarm, Behaviour, ADVERT_TOPIC};
 pub use codec::{ProstCodec, RPC_PROTOCOL};
+pub use files::{InboundFile, FILES_PROTOCOL};
 pub use config::{load_cluster_key, new_cluster_key_file, NetConfig, NetTimers, DEFAULT_PORT};
 pub use handle::{NetCounters, NetHandle};
 pub use libp2p::pnet::PreSharedKey;

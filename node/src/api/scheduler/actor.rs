@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::{Command, LoadedInfo, SchedulerConfig, SchedulerState, StreamEvent};
-use crate::api::catalogue::LocalModel;
+use crate::models::LocalModel;
 use crate::api::error::ApiError;
 use crate::api::metrics::Metrics;
 use crate::engine::generate::{prompt_ids, TextStream, TokenText};
