@@ -54,6 +54,7 @@ SHOAL="$TARGET_DIR/release/shoal"
 SHOAL_ARGS=(--threads "$THREADS" --json)
 if [[ $QUICK == 1 ]]; then SHOAL_ARGS+=(--prompt-tokens 64 --gen-tokens 16 --repetitions 1); fi
 
+LOAD_BEFORE="$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo '?')"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 for model in "${MODELS[@]}"; do
@@ -67,6 +68,8 @@ for model in "${MODELS[@]}"; do
     done
 done
 
+LOAD_AFTER="$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null || echo '?')"
+echo "load average before: $LOAD_BEFORE, after: $LOAD_AFTER (on a shared machine, other work skews both sides)"
 node - "$WORK" "$THREADS" "${MODELS[@]}" <<'JS'
 const fs = require("fs");
 const [work, threads, ...models] = process.argv.slice(2);

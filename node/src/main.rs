@@ -1,6 +1,7 @@
 //! The `shoal` binary: parses the command line and hands typed options to the library.
 //! It holds no logic of its own beyond printing and signal wiring; `run` writes only generated
-//! text to stdout; `serve` (the default with no subcommand) starts the node's HTTP API and UI.
+//! text to stdout; `serve` (the default with no subcommand) starts the node's HTTP API and UI;
+//! `bench` sizes the compute pools and prints `engine::bench`'s measurement.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -231,7 +232,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())).max(1);
     // Both pools are sized before any model code runs: shoal's kernels and candle's rayon ops.
     shoal::engine::kernels::pool::init(threads);
-    rayon::ThreadPoolBuilder::new().num_threads(std::env::var("XR").ok().and_then(|v| v.parse().ok()).unwrap_or(threads)).build_global().context("sizing the rayon pool")?;
+    rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().context("sizing the rayon pool")?;
     let path = {
         let p = PathBuf::from(&args.model);
         let cached = dirs::home_dir().map(|h| h.join(".cache/shoal/models").join(&args.model));
