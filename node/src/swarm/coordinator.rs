@@ -259,6 +259,12 @@ impl Coordinator {
                 }
             }
         }
+        // Unload first: the stage thread runs jobs in order, so old weights go before new ones come.
+        let gone: Vec<String> = self.loaded.keys().filter(|m| !mine.contains_key(*m)).cloned().collect();
+        for model in gone {
+            self.hop.stages.unload(model.clone());
+            self.loaded.remove(&model);
+        }
         for (model, range) in &mine {
             if self.loaded.get(model).is_some_and(|(r, _)| r == range) {
                 continue;
@@ -273,11 +279,6 @@ impl Coordinator {
                 let _ = done.send((label, range_done, r.map_err(|e| e.to_string())));
             }));
             self.loaded.insert(model.clone(), (*range, StageState::Loading));
-        }
-        let gone: Vec<String> = self.loaded.keys().filter(|m| !mine.contains_key(*m)).cloned().collect();
-        for model in gone {
-            self.hop.stages.unload(model.clone());
-            self.loaded.remove(&model);
         }
         self.plan_tx.send_replace(plan.map(Arc::new));
     }
