@@ -526,3 +526,49 @@ fn a_pull_through_the_api_shows_its_progress_in_the_cluster_view() {
         assert_eq!((gemma["layers"].as_u64(), gemma["local"].as_bool(), gemma["variants"][0]["format"].as_str()), (Some(18), Some(false), Some("gguf")));
     });
 }
+
+#[test]
+fn a_running_node_serves_its_models_to_a_pulling_process() {
+    let hub = FakeHub::start();
+    let data_a = tempfile::tempdir().unwrap();
+    let data_b = tempfile::tempdir().unwrap();
+    let out = shoal(&["models", "import", fixture("qwen2").to_str().unwrap()], &hub, data_a.path(), None);
+    assert!(out.status.success(), "{}", stderr(&out));
+    // Node A: a real `shoal serve` on loopback, discovery off.
+    let mut child = Command::new(shoal_bin())
+        .args(["serve", "--host", "127.0.0.1", "--api-port", "0", "--listen", "/ip4/127.0.0.1/tcp/0", "--no-discovery", "--data-dir"])
+        .arg(data_a.path())
+        .env("SHOAL_MODEL_CACHE", data_a.path().join("no-cache"))
+        .env_remove("SHOAL_MODELS")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr_pipe = child.stderr.take().unwrap();
+    struct Kill(std::process::Child);
+    impl Drop for Kill {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _child = Kill(child);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stderr_pipe).lines().map_while(Result::ok) {
+            if let Some(addr) = line.strip_prefix("swarm listening on ") {
+                let _ = tx.send(addr.trim().to_string());
+            }
+        }
+    });
+    let addr = rx.recv_timeout(Duration::from_secs(30)).expect("shoal serve prints its swarm address within 30 s");
+    // B pulls the imported model by its id from A; the hub is configured and must stay untouched.
+    let out = shoal(&["models", "pull", "qwen2", "--peer", &addr], &hub, data_b.path(), None);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(hub.requests(), 0, "{:?}", hub.log());
+    for f in ["config.json", "model.safetensors"] {
+        assert_eq!(sha256_file(&data_b.path().join("models/qwen2").join(f)).unwrap(), sha256_file(&fixture("qwen2").join(f)).unwrap(), "{f}");
+    }
+    assert!(stderr(&out).contains("from 1 peer(s)"), "{}", stderr(&out));
+}

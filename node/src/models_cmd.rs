@@ -277,7 +277,8 @@ async fn draw_progress(progress: Progress, stop: CancellationToken) {
             _ = stop.cancelled() => true,
             _ = tokio::time::sleep(Duration::from_millis(200)) => false,
         };
-        for t in progress.snapshot() {
+        // A failed pull's error is printed once, by the caller: no final bar for it.
+        for t in progress.snapshot().into_iter().filter(|t| !(stopped && t.phase == models::Phase::Failed)) {
             let line = bar_line(&t);
             if tty {
                 eprint!("\r\x1b[2K{line}");
@@ -304,7 +305,7 @@ fn bar_line(t: &models::TransferView) -> String {
     let phase = format!("{:?}", t.phase).to_lowercase();
     let source = if t.source.is_empty() { String::new() } else { format!(" from {}", t.source) };
     format!(
-        "{} {phase}{source} [{}{}] {:>5} {}/{} {}/s{}",
+        "{} {phase}{source} [{}{}] {:>5} {}/{} {}/s",
         t.model,
         "#".repeat(filled),
         "-".repeat(WIDTH - filled),
@@ -312,7 +313,6 @@ fn bar_line(t: &models::TransferView) -> String {
         human(t.bytes_done),
         total,
         human(t.bytes_per_s as u64),
-        t.error.as_ref().map_or(String::new(), |e| format!(" ({e})")),
     )
 }
 

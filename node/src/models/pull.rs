@@ -1,9 +1,10 @@
-//! `pull`: a model named by the user (catalogue id, hub repo, `repo:quant`) becomes a verified
-//! directory in the store. Peers that hold the model are asked first; the hub is contacted
-//! only for what no peer could provide (and never when peers provide everything). For a stage
-//! only the configs, tokenizer and the weight files holding its layers are fetched. Files
-//! already on disk with the expected hash are kept; corrupt ones are fetched again; a file
-//! whose download fails verification is fetched once more from scratch before giving up.
+//! `pull`: a model named by the user (catalogue id, hub repo, `repo:quant`, or the id of a
+//! model a peer holds) becomes a verified directory in the store. Peers that hold the model
+//! are asked first; the hub is contacted only for what no peer could provide (and never when
+//! peers provide everything). For a stage only the configs, tokenizer and the weight files
+//! holding its layers are fetched. Files already on disk with the expected hash are kept;
+//! corrupt ones are fetched again; a file whose download fails verification is fetched once
+//! more from scratch before giving up.
 //! It does not load the model, and it never writes outside `<data dir>/models/<id>/`.
 
 use std::collections::HashMap;
@@ -96,8 +97,11 @@ fn resolve(req: &PullRequest) -> Result<Target, ModelsError> {
         Some((repo, q)) if !q.is_empty() && !q.contains('/') => (repo.to_string(), Some(q.to_ascii_lowercase())),
         _ => (req.name.clone(), None),
     }) else {
-        let known: Vec<&str> = catalogue::MODELS.iter().map(|m| m.id).collect();
-        return Err(ModelsError::UnknownModel { id: req.name.clone(), hint: format!("not in the catalogue ({}) and not a hub repo id (owner/name)", known.join(", ")) });
+        // A plain id (an imported model, say): only a peer that holds it can provide it.
+        if !is_valid_id(&req.name) {
+            return Err(ModelsError::Invalid(format!("`{}` is neither a model id nor a hub repo id (owner/name)", req.name)));
+        }
+        return Ok(Target { id: req.name.clone(), repo: String::new(), gguf_file: req.file.clone(), quant: None, pinned: None });
     };
     let segments: Vec<&str> = owner_name.split('/').collect();
     if segments.len() != 2 || segments.iter().any(|s| s.is_empty() || *s == "." || *s == ".." || s.contains(['\\', '?', '#', '%'])) {
@@ -256,6 +260,10 @@ impl Puller<'_> {
 
     /// The hub's listing (fetched once): the commit the revision resolved to, and the files.
     async fn hub_info(&self) -> Result<&(String, RepoInfo), ModelsError> {
+        if self.target.repo.is_empty() {
+            let known: Vec<&str> = catalogue::MODELS.iter().map(|m| m.id).collect();
+            return Err(ModelsError::UnknownModel { id: self.target.id.clone(), hint: format!("no peer holds it, and it is neither in the catalogue ({}) nor a hub repo id (owner/name)", known.join(", ")) });
+        }
         let hub = self.sources.hub.as_ref().ok_or_else(|| ModelsError::NoSource { file: self.target.id.clone(), reason: "no peer holds it and the hub is not in use".into() })?;
         self.hub
             .get_or_try_init(|| async {
@@ -393,7 +401,8 @@ impl Puller<'_> {
             (Some(range), Some(Some(held))) => Some(merge_ranges(held, range)),
             (Some(range), None) => Some(vec![range]),
         };
-        let (repo, revision) = (Some(self.target.repo.clone()), self.hub.get().map(|(c, _)| c.clone()).or_else(|| self.holders.iter().find_map(|h| h.revision.clone())));
+        let repo = Some(self.target.repo.clone()).filter(|r| !r.is_empty()).or_else(|| self.holders.iter().find_map(|h| h.repo.clone()));
+        let (repo, revision) = (repo, self.hub.get().map(|(c, _)| c.clone()).or_else(|| self.holders.iter().find_map(|h| h.revision.clone())));
         write_manifest(&self.dir, &Manifest { id: self.target.id.clone(), repo, revision, layers, files: files.clone() })?;
         let _ = std::fs::remove_dir(self.dir.join(META_DIR).join("incomplete"));
         let model = inspect(&self.dir).ok_or_else(|| ModelsError::Invalid(format!("{}: pulled but not readable as a model", self.dir.display())))?;
@@ -448,7 +457,8 @@ mod tests {
         assert_eq!(t.id, "model");
         assert_eq!(merge_ranges(vec![(0, 1)], (3, 4)), [(0, 1), (3, 4)]);
         assert_eq!(merge_ranges(vec![(0, 1), (3, 4)], (1, 3)), [(0, 4)]);
-        for bad in ["nothing-known", "a/b/c", "../x", "a/.."] {
+        assert_eq!(resolve(&PullRequest::new("my-import")).unwrap().repo, "", "a plain id is for peers only");
+        for bad in ["a/b/c", "../x", "a/..", ".hidden"] {
             assert!(resolve(&PullRequest::new(bad)).is_err(), "{bad}");
         }
     }
