@@ -127,18 +127,19 @@ impl Node {
         (code.trim().parse().unwrap_or(0), serde_json::from_str(body).unwrap_or(Value::Null))
     }
 
-    /// A streamed chat; its SSE `data:` lines arrive on the channel with their arrival time.
+    /// A streamed completion; its SSE `data:` lines arrive on the channel with their arrival time.
     fn complete_stream(&self, max_tokens: usize) -> (Child, mpsc::Receiver<(Instant, String)>) {
-        let body = json!({"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": true}).to_string();
-        let mut child = self
-            .curl(&["-N", "-H", "content-type: application/json", "-d", &body, &format!("http://{}:52415/v1/completions", self.ip)])
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("curl runs");
+        self.stream("/v1/completions", json!({"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": true}))
+    }
+
+    /// POSTs `body` to `path` with `curl -N`; each SSE `data:` payload (or any other line as it
+    /// is, e.g. an error body that is not SSE) arrives on the channel with its arrival time.
+    fn stream(&self, path: &str, body: Value) -> (Child, mpsc::Receiver<(Instant, String)>) {
+        let url = format!("http://{}:52415{path}", self.ip);
+        let mut child = self.curl(&["-N", "-H", "content-type: application/json", "-d", &body.to_string(), &url]).stdout(Stdio::piped()).spawn().expect("curl runs");
         let (tx, rx) = mpsc::channel();
         let stdout = child.stdout.take().unwrap();
         std::thread::spawn(move || {
-            // `data:` payloads, or any other line as it is (an error body that is not SSE).
             for line in BufReader::new(stdout).lines().map_while(Result::ok).filter(|l| !l.is_empty()) {
                 let data = line.strip_prefix("data: ").unwrap_or(&line).to_string();
                 if tx.send((Instant::now(), data)).is_err() {
@@ -318,22 +319,10 @@ fn mdns_swarm_in_namespaces_streams_a_qwen_chat_from_a_node_without_layers() {
     let nets = Namespaces::up(3);
     let mut nodes: Vec<Node> = ["1MB", "800MB", "800MB"].iter().enumerate().map(|(i, l)| Node::start(&nets, i + 1, &["--model", &qwen, "--memory-limit", l])).collect();
     let ids: Vec<String> = nodes.iter_mut().map(Node::wait_started).collect();
-    let body = json!({"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 12, "temperature": 0, "stream": true}).to_string();
-    let (mut curl, events) = {
-        let url = format!("http://{}:52415/v1/chat/completions", nodes[0].ip);
-        let mut child = nodes[0].curl(&["-N", "-H", "content-type: application/json", "-d", &body, &url]).stdout(Stdio::piped()).spawn().expect("curl runs");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel::<String>();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok).filter(|l| !l.is_empty()) {
-                let _ = tx.send(line.strip_prefix("data: ").unwrap_or(&line).to_string());
-            }
-        });
-        (child, rx)
-    };
+    let (mut curl, events) = nodes[0].stream("/v1/chat/completions", json!({"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 12, "temperature": 0, "stream": true}));
     let mut content = String::new();
     loop {
-        let data = events.recv_timeout(Duration::from_secs(150)).unwrap_or_else(|e| panic!("the stream ended without [DONE] ({e}); so far {content:?}; entry log: {}", nodes[0].log()));
+        let (_, data) = events.recv_timeout(Duration::from_secs(150)).unwrap_or_else(|e| panic!("the stream ended without [DONE] ({e}); so far {content:?}; entry log: {}", nodes[0].log()));
         if data == "[DONE]" {
             break;
         }

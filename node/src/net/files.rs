@@ -222,15 +222,7 @@ impl FileRpcs {
                 if matches!(&error, OutboundFailure::Io(e) if e.kind() == io::ErrorKind::InvalidData) {
                     NetCounters::bump(&counters.bad_frames);
                 }
-                self.finish(request_id, |p| {
-                    Err(match error {
-                        OutboundFailure::DialFailure => NetError::Unreachable { peer },
-                        OutboundFailure::Timeout => NetError::Timeout { peer, deadline: p.deadline },
-                        OutboundFailure::ConnectionClosed => NetError::Disconnected { peer },
-                        OutboundFailure::UnsupportedProtocols => NetError::Unsupported { peer },
-                        OutboundFailure::Io(e) => NetError::Stream { peer, reason: e.to_string() },
-                    })
-                });
+                self.finish(request_id, |p| Err(NetError::from_outbound(peer, error, p.deadline)));
             }
             rr::Event::InboundFailure { peer, request_id, error, .. } => {
                 if matches!(&error, rr::InboundFailure::Io(e) if e.kind() == io::ErrorKind::InvalidData) {

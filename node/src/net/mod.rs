@@ -98,6 +98,20 @@ pub enum NetError {
     Publish(String),
 }
 
+impl NetError {
+    /// A failed outbound request-response call (control RPC or file read), as the caller sees it.
+    pub(crate) fn from_outbound(peer: PeerId, error: libp2p::request_response::OutboundFailure, deadline: Duration) -> NetError {
+        use libp2p::request_response::OutboundFailure;
+        match error {
+            OutboundFailure::DialFailure => NetError::Unreachable { peer },
+            OutboundFailure::Timeout => NetError::Timeout { peer, deadline },
+            OutboundFailure::ConnectionClosed => NetError::Disconnected { peer },
+            OutboundFailure::UnsupportedProtocols => NetError::Unsupported { peer },
+            OutboundFailure::Io(e) => NetError::Stream { peer, reason: e.to_string() },
+        }
+    }
+}
+
 /// Starts the swarm actor on the current tokio runtime: listens on `config.listen`, dials
 /// `config.peers`, and runs until `cancel` fires or every handle is dropped.
 pub fn spawn(key: Keypair, config: NetConfig, cancel: CancellationToken) -> Result<(NetHandle, mpsc::Receiver<NetEvent>), NetError> {
