@@ -189,3 +189,38 @@ fn every_supported_gguf_type_runs_quantized_close_to_f32() {
         assert!(noise <= noise_budget, "{dtype:?}: output differs from f32 by {noise} (budget {noise_budget})");
     }
 }
+
+/// `shoal models quantize`'s writer: f16 GGUFs of the llama (Llama 3 rope scaling, carried as
+/// `rope_freqs.weight`), mistral (q/k rows permuted) and qwen2 (biases) fixtures agree with
+/// transformers within f16 rounding, and a Q4_K_M GGUF of a random Qwen2 stays within the
+/// 4-bit noise budget of the f32 run above.
+#[test]
+fn quantize_writes_ggufs_that_agree_with_the_safetensors_run() {
+    use shoal::engine::quantize::{quantize_hf_dir, QuantKind};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let rel_err = |a: &[Vec<f32>], b: &[Vec<f32>]| {
+        let scale = b.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+        a.iter().zip(b).map(|(x, y)| max_abs_diff(x, y)).fold(0f32, f32::max) / scale
+    };
+    for name in ["llama", "mistral", "qwen2"] {
+        let out = dir.path().join(format!("{name}-f16"));
+        let report = quantize_hf_dir(&fixture(name), &out, QuantKind::F16).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(report.bytes > 0 && report.gguf.exists());
+        let r = reference(name);
+        let err = rel_err(&prefill_logits(&report.gguf, &r.prompt_ids), &r.prefill_logits);
+        eprintln!("{name} f16 GGUF vs transformers: {err:.5}");
+        assert!(err <= 5e-3, "{name}: the quantized GGUF differs from transformers by {err}");
+    }
+    let src = dir.path().join("random-qwen2");
+    std::fs::create_dir_all(&src).unwrap();
+    random_qwen2(&src);
+    let prompt: Vec<u32> = (0..24).map(|i| (i * 37 + 5) % 320).collect();
+    let report = quantize_hf_dir(&src, &dir.path().join("q4km"), QuantKind::Q4KM).expect("quantizes");
+    let err = rel_err(&prefill_logits(&report.gguf, &prompt), &prefill_logits(&src, &prompt));
+    eprintln!("random qwen2 Q4_K_M vs f32: {err:.5}");
+    assert!(err <= 0.3, "Q4_K_M differs from f32 by {err}");
+    // Gemma's GGUF norms differ: refused with a reason, nothing written.
+    let gemma = quantize_hf_dir(&fixture("gemma3"), &dir.path().join("gemma"), QuantKind::Q8_0).unwrap_err();
+    assert!(gemma.to_string().contains("gemma3"), "{gemma}");
+    assert!(!dir.path().join("gemma/model.gguf").exists());
+}

@@ -55,6 +55,7 @@ fn advert(id: PeerId) -> NodeAdvert {
         mem_bandwidth: 1e10,
         flops: 1e11,
         backend: "cpu".into(),
+        gpu: None,
         addresses: vec![],
         models: vec![],
         wants: vec![],

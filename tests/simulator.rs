@@ -31,6 +31,7 @@ fn advert(i: usize, rng: &mut StdRng) -> NodeAdvert {
         mem_bandwidth: rng.random_range(10.0..40.0),
         flops: 1.0,
         backend: "cpu".into(),
+        gpu: None,
         addresses: vec![],
         models: vec!["small".into(), "large".into()],
         wants: vec![],

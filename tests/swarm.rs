@@ -54,6 +54,7 @@ async fn start_node(name: &str, memory_offered: u64, peers: Vec<Multiaddr>, mode
         mem_bandwidth: 20e9,
         flops: 100e9,
         backend: "cpu".into(),
+        gpu: None,
         addresses: vec![addr.to_string()],
         models: vec![MODEL.to_string()],
         wants: vec![],
@@ -66,6 +67,7 @@ async fn start_node(name: &str, memory_offered: u64, peers: Vec<Multiaddr>, mode
         cluster: ClusterConfig::TEST,
         advert_every: Duration::from_millis(500),
         hop_deadline: Duration::from_secs(10),
+        device: shoal::engine::device::ComputeDevice::cpu(),
     };
     let handle = swarm::spawn(config, net, events, cancel.clone());
     TestNode { handle, addr, cancel, _dir: dir }

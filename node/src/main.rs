@@ -63,6 +63,10 @@ struct BenchArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
+    /// Compute device: auto (a CUDA GPU when this build has CUDA and the machine a GPU, else the
+    /// CPU), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: shoal::engine::device::DeviceChoice,
 }
 
 #[derive(clap::Args)]
@@ -104,6 +108,10 @@ struct ServeArgs {
     /// Do not discover peers by mDNS (only --peer addresses are dialled).
     #[arg(long)]
     no_discovery: bool,
+    /// Compute device: auto (a CUDA GPU when this build has CUDA and the machine a GPU, else the
+    /// CPU), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: shoal::engine::device::DeviceChoice,
 }
 
 #[derive(clap::Args)]
@@ -141,6 +149,10 @@ struct RunArgs {
     /// Apply the model's chat template to the prompt as one user message.
     #[arg(long)]
     chat: bool,
+    /// Compute device: auto (a CUDA GPU when this build has CUDA and the machine a GPU, else the
+    /// CPU), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: shoal::engine::device::DeviceChoice,
 }
 
 fn main() -> std::process::ExitCode {
@@ -180,7 +192,8 @@ fn run(mut args: RunArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> 
         args.model = store.find(&id).map(|m| m.path).with_context(|| format!("{id}: no such file, and no model with this id here (see `shoal models list`)"))?;
     }
     models_cmd::read_with_progress(&args.model);
-    let opts = LoadOptions { context_limit: args.context, ..LoadOptions::default() };
+    let device = shoal::engine::device::ComputeDevice::open(args.device)?;
+    let opts = LoadOptions { context_limit: args.context, device, ..LoadOptions::default() };
     let model = LoadedModel::load(&args.model, &opts).with_context(|| format!("loading {}", args.model.display()))?;
     eprintln!(
         "loaded {} ({} {}, {} layers) in {:.2}s",
@@ -241,17 +254,22 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
             _ => p,
         }
     };
-    let model = LoadedModel::load(&path, &LoadOptions::default()).with_context(|| format!("loading {}", path.display()))?;
-    let opts = shoal::engine::bench::BenchOptions { prompt_tokens: args.prompt_tokens, gen_tokens: args.gen_tokens, repetitions: args.repetitions, threads };
+    let device = shoal::engine::device::ComputeDevice::open(args.device)?;
+    let model = LoadedModel::load(&path, &LoadOptions { device: device.clone(), ..LoadOptions::default() }).with_context(|| format!("loading {}", path.display()))?;
+    let opts = shoal::engine::bench::BenchOptions { prompt_tokens: args.prompt_tokens, gen_tokens: args.gen_tokens, repetitions: args.repetitions, threads, device: Some(device) };
     let r = shoal::engine::bench::run(&model, &opts)?;
     if args.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
-        println!("model {} ({} threads)", r.model, r.threads);
+        println!("model {} on {} ({} threads)", r.model, r.device, r.threads);
         println!("prompt processing  {:8.1} tok/s  ({} tokens, median of {})", r.prefill_tok_s, r.prompt_tokens, r.prefill_runs.len());
         println!("decode             {:8.1} tok/s  ({} tokens, median of {})", r.decode_tok_s, r.gen_tokens, r.decode_runs.len());
         println!("peak RSS           {:8.0} MB", r.rss_bytes as f64 / 1e6);
-        println!("memory read        {:8.1} GB/s ({} threads)", r.mem_bw_bytes_s / 1e9, r.threads);
+        if r.device == "cpu" {
+            println!("memory read        {:8.1} GB/s ({} threads)", r.mem_bw_bytes_s / 1e9, r.threads);
+        } else {
+            println!("device copy        {:8.1} GB/s (read + write)", r.mem_bw_bytes_s / 1e9);
+        }
         println!("bytes per token    {:8.1} MB", r.bytes_per_token as f64 / 1e6);
         println!("decode roofline    {:8.2}", r.roofline_fraction);
     }
@@ -270,10 +288,15 @@ fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> 
     let data_dir = data_dir(data_dir_flag)?;
     let key = shoal::identity::load_or_create(&data_dir)?;
     let cluster_key = args.cluster_key.as_deref().map(shoal::net::load_cluster_key).transpose()?;
+    let device = shoal::engine::device::ComputeDevice::open(args.device)?;
+    let cores = format!("{} {} cores", std::env::consts::ARCH, std::thread::available_parallelism().map_or(1, |n| n.get()));
     let node = NodeInfo {
         id: shoal::identity::node_id(&key),
         name: sysinfo::System::host_name().unwrap_or_else(|| "shoal".into()),
-        device: format!("{} {} cores", std::env::consts::ARCH, std::thread::available_parallelism().map_or(1, |n| n.get())),
+        device: match device.gpu() {
+            Some(g) => format!("{} ({:.0} GB) + {cores}", g.name, g.memory_total as f64 / 1e9),
+            None => cores,
+        },
     };
     let config = ApiConfig {
         listen: std::net::SocketAddr::new(args.host, args.api_port),
@@ -294,18 +317,27 @@ fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> 
         let id = node.id.clone();
         let listener = Server::bind_listener(config.listen).await?;
         let api_addresses = Server::reachable_addresses(&listener).await;
-        let machine = tokio::task::spawn_blocking(shoal::engine::probe::measure).await?.context("probing this machine")?;
-        let (memory_total, memory_offered) = shoal::api::node_view::offered_memory(config.memory_limit, 0);
+        let probed = device.clone();
+        let machine = tokio::task::spawn_blocking(move || shoal::engine::probe::measure_device(&probed)).await?.context("probing this machine")?;
+        // A GPU node offers GPU memory: its shards live there.
+        let (memory_total, memory_offered) = match device.gpu() {
+            Some(g) => {
+                let free = device.gpu_memory_free().unwrap_or(g.memory_free);
+                (g.memory_total, config.memory_limit.map_or(free, |limit| limit.min(g.memory_total)))
+            }
+            None => shoal::api::node_view::offered_memory(config.memory_limit, 0),
+        };
         let advert = shoal::cluster::NodeAdvert {
             id: id.clone(),
             name: node.name.clone(),
             priority: 0,
             memory_total,
             // With --memory-limit the node offers all of it; without, what is free at start.
-            memory_offered: if config.memory_limit.is_some() { memory_total } else { memory_offered },
+            memory_offered: if config.memory_limit.is_some() && device.gpu().is_none() { memory_total } else { memory_offered },
             mem_bandwidth: machine.mem_bandwidth,
             flops: machine.flops,
-            backend: "cpu".into(),
+            backend: device.label(),
+            gpu: device.gpu().map(|g| shoal::cluster::GpuAdvert { name: g.name.clone(), memory_total: g.memory_total }),
             addresses: api_addresses,
             models: local.keys().cloned().collect(),
             wants: vec![],
@@ -320,6 +352,7 @@ fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> 
                 cluster: shoal::cluster::ClusterConfig::LAN,
                 advert_every: std::time::Duration::from_secs(1),
                 hop_deadline: std::time::Duration::from_secs(120),
+                device: device.clone(),
             },
             net.clone(),
             net_events,
@@ -333,7 +366,10 @@ fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> 
         server.attach_net(net.clone());
         let addr = server.local_addr();
         eprintln!("shoal node {id}");
-        eprintln!("measured {:.1} GFLOP/s f32, {:.1} GB/s memory read", machine.flops / 1e9, machine.mem_bandwidth / 1e9);
+        match device.gpu() {
+            Some(g) => eprintln!("computing on {} (cuda:{}): measured {:.1} TFLOP/s f16, {:.0} GB/s device copy", g.name, g.index, machine.flops / 1e12, machine.mem_bandwidth / 1e9),
+            None => eprintln!("measured {:.1} GFLOP/s f32, {:.1} GB/s memory read", machine.flops / 1e9, machine.mem_bandwidth / 1e9),
+        }
         for a in net.listen_addrs().await.unwrap_or_default() {
             eprintln!("swarm listening on {a}/p2p/{id}");
         }

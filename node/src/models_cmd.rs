@@ -40,6 +40,17 @@ enum ModelsCommand {
     Rm { id: String },
     /// Copy a GGUF file or a safetensors folder into the store; its id is its name.
     Import { path: PathBuf },
+    /// Quantize a safetensors model (llama, mistral, qwen2, qwen3) into a GGUF in the store.
+    Quantize {
+        /// A model directory, or the id of a safetensors model in the store.
+        source: String,
+        /// q4_k_m (default), q8_0 or f16.
+        #[arg(long = "type", default_value = "q4_k_m")]
+        kind: shoal::engine::quantize::QuantKind,
+        /// Output directory (default: the store, as `<id>-<type>`).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Serve this node's models to peers (peer copy) until interrupted.
     Share {
         /// Where to listen for peers (a libp2p multiaddr).
@@ -105,6 +116,19 @@ pub fn run(args: ModelsArgs, data_dir: &Path) -> anyhow::Result<()> {
             let model = store.import(&path)?;
             println!("{}", model.id);
             eprintln!("imported {} as {} ({})", path.display(), model.id, model.path.display());
+            Ok(())
+        }
+        ModelsCommand::Quantize { source, kind, out } => {
+            let src = match PathBuf::from(&source) {
+                p if p.exists() => p,
+                _ => store.find(&source).map(|m| m.path).with_context(|| format!("{source}: no such directory, and no model with this id here"))?,
+            };
+            let id = shoal::models::id::model_id(&src);
+            let out = out.unwrap_or_else(|| store.models_dir().join(format!("{id}-{}", kind.name())));
+            let t0 = std::time::Instant::now();
+            let report = shoal::engine::quantize::quantize_hf_dir(&src, &out, kind).with_context(|| format!("quantizing {}", src.display()))?;
+            eprintln!("wrote {} tensors, {:.1} MB, in {:.1}s", report.tensors, report.bytes as f64 / 1e6, t0.elapsed().as_secs_f64());
+            println!("{}", out.display());
             Ok(())
         }
         ModelsCommand::Pull(args) => runtime()?.block_on(pull(store, args)),

@@ -45,9 +45,15 @@ impl App {
     /// Less free memory right now only makes `fits` false: a user may load anyway.
     pub(super) async fn check_fits(&self, model: &LocalModel) -> Result<(), ApiError> {
         let limit = self.config.memory_limit;
-        let (mine, _) = tokio::task::spawn_blocking(move || offered_memory(limit, 0)).await.unwrap_or((0, 0));
+        let (mut mine, _) = tokio::task::spawn_blocking(move || offered_memory(limit, 0)).await.unwrap_or((0, 0));
         let others: u64 = match self.swarm.snapshot().await {
-            Ok(s) => s.members.iter().filter(|m| m.id != s.me && m.models.contains(&model.id)).map(|m| m.memory_offered).sum(),
+            Ok(s) => {
+                // A GPU node's shards live in GPU memory: its advert offers that, not RAM.
+                if let Some(me) = s.members.iter().find(|m| m.id == s.me && m.gpu.is_some()) {
+                    mine = me.memory_offered;
+                }
+                s.members.iter().filter(|m| m.id != s.me && m.models.contains(&model.id)).map(|m| m.memory_offered).sum()
+            }
             Err(_) => 0,
         };
         let offered = mine.saturating_add(others);

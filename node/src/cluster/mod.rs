@@ -7,7 +7,7 @@ pub mod placement;
 pub mod state;
 
 pub use placement::{place, place_all, Capacity, ModelFootprint, Placement, PlacementError, Stage, Strategy};
-pub use state::{ClusterConfig, ClusterEvent, ClusterState, Epoch, Input, NodeAdvert, Output, Plan};
+pub use state::{ClusterConfig, ClusterEvent, ClusterState, Epoch, GpuAdvert, Input, NodeAdvert, Output, Plan};
 
 /// A node's stable identity (its libp2p PeerId in text form).
 pub type NodeId = String;

@@ -2,7 +2,8 @@
 //! into stages. A single node when one can hold the model (the fastest such node), otherwise a
 //! memory-weighted pipeline: layers in proportion to offered memory, corrected by memory
 //! bandwidth, largest-remainder rounding, at least one layer per stage, never more than a
-//! node offers. `place_all` places every wanted model over the members that hold its files,
+//! node offers. Nodes far faster than the rest (a GPU beside CPUs) form a tier that is filled
+//! first: every layer they hold runs many times faster. `place_all` places every wanted model over the members that hold its files,
 //! in name order, each model using only the memory the ones before it left. Pure: no I/O, no
 //! clocks; the same inputs give the same plan on every node.
 
@@ -153,10 +154,7 @@ pub fn place(model: &ModelFootprint, members: &[Capacity]) -> Result<Placement, 
     if capacity.iter().sum::<usize>() < model.layers {
         return Err(not_fit());
     }
-    // Weight: offered memory, corrected by bandwidth relative to the mean (square root damps noise).
-    let mean_bw = order.iter().map(|c| c.mem_bandwidth.max(1.0)).sum::<f64>() / order.len() as f64;
-    let weights: Vec<f64> = order.iter().map(|c| c.memory_offered as f64 * (c.mem_bandwidth.max(1.0) / mean_bw).sqrt()).collect();
-    let layers = largest_remainder(model.layers, &weights, &capacity);
+    let layers = tiered_shares(model.layers, &order, &capacity);
 
     let mut stages = Vec::new();
     let mut start = 0;
@@ -176,6 +174,32 @@ pub fn place(model: &ModelFootprint, members: &[Capacity]) -> Result<Placement, 
         return Err(not_fit());
     }
     Ok(Placement { strategy: if stages.len() == 1 { Strategy::Single } else { Strategy::Pipeline }, stages })
+}
+
+/// A node this many times slower (memory bandwidth) than the fastest open one is in a lower tier.
+const TIER_RATIO: f64 = 8.0;
+
+/// Layers per node (in `order`): the fastest tier is filled up to its capacity first, then the
+/// next. Within a tier, layers follow offered memory corrected by bandwidth relative to the
+/// tier's mean (the square root damps measurement noise).
+fn tiered_shares(total: usize, order: &[&Capacity], capacity: &[usize]) -> Vec<usize> {
+    let mut shares = vec![0usize; order.len()];
+    let mut open: Vec<usize> = (0..order.len()).collect();
+    let mut left = total;
+    while left > 0 && !open.is_empty() {
+        let top = open.iter().map(|&i| order[i].mem_bandwidth.max(1.0)).fold(0.0, f64::max);
+        let (tier, rest): (Vec<usize>, Vec<usize>) = open.iter().partition(|&&i| order[i].mem_bandwidth.max(1.0) * TIER_RATIO >= top);
+        let mean_bw = tier.iter().map(|&i| order[i].mem_bandwidth.max(1.0)).sum::<f64>() / tier.len() as f64;
+        let weights: Vec<f64> = tier.iter().map(|&i| order[i].memory_offered as f64 * (order[i].mem_bandwidth.max(1.0) / mean_bw).sqrt()).collect();
+        let caps: Vec<usize> = tier.iter().map(|&i| capacity[i]).collect();
+        let take = left.min(caps.iter().sum());
+        for (&i, n) in tier.iter().zip(largest_remainder(take, &weights, &caps)) {
+            shares[i] = n;
+        }
+        left -= take;
+        open = rest;
+    }
+    shares
 }
 
 /// Splits `total` into integer shares proportional to `weights`, each at most `cap[i]`,
@@ -267,6 +291,20 @@ mod tests {
         let mut rev = members.to_vec();
         rev.reverse();
         assert_eq!(place(&m, &members).unwrap(), place(&m, &rev).unwrap());
+    }
+
+    #[test]
+    fn a_gpu_beside_cpus_is_filled_first_and_the_cpus_share_the_rest() {
+        // 20 layers of 0.5 GB (11 GB in all); the GPU offers 4 GB at 3 TB/s, the CPUs 6 GB each at 50 GB/s.
+        let m = model(20, 5);
+        let p = place(&m, &[cap("gpu", 4, 3000.0), cap("cpu1", 6, 50.0), cap("cpu2", 6, 50.0)]).unwrap();
+        let n = |id: &str| p.stages.iter().find(|s| s.node == id).map_or(0, |s| s.end - s.start);
+        assert_eq!(n("gpu"), 8, "the GPU holds all it can: {p:?}");
+        assert_eq!(n("cpu1") + n("cpu2"), 12, "{p:?}");
+        assert!(n("cpu1").abs_diff(n("cpu2")) <= 1, "equal CPUs share evenly: {p:?}");
+        // With room for everything, the GPU alone serves.
+        let p = place(&m, &[cap("gpu", 80, 3000.0), cap("cpu1", 16, 50.0)]).unwrap();
+        assert_eq!((p.strategy, p.stages.len(), p.stages[0].node.as_str()), (Strategy::Single, 1, "gpu"));
     }
 
     #[test]

@@ -61,6 +61,17 @@ pub struct NodeAdvert {
     pub wants: Vec<ModelFootprint>,
     /// The plan this node has in force, so that plans spread even when messages are lost.
     pub plan: Option<Plan>,
+    /// The GPU this node computes on; then `memory_offered`, `mem_bandwidth` and `flops`
+    /// describe the GPU, so placement weighs it by what it can really do.
+    #[serde(default)]
+    pub gpu: Option<GpuAdvert>,
+}
+
+/// A GPU as adverts carry it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct GpuAdvert {
+    pub name: String,
+    pub memory_total: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -309,5 +320,6 @@ fn placeholder(id: &str) -> NodeAdvert {
         models: vec![],
         wants: vec![],
         plan: None,
+        gpu: None,
     }
 }

@@ -1,6 +1,6 @@
 //! `shoal bench`'s measurement: prompt processing and greedy decode throughput of a loaded model
 //! (median over repetitions, after a warm-up), peak RSS, the memory-read bandwidth measured with
-//! the same thread count, and the decode roofline fraction (tok/s × weight bytes read per token ÷
+//! the same thread count (on a GPU: its device copy rate), and the decode roofline fraction (tok/s × weight bytes read per token ÷
 //! bandwidth). It runs the engine's own shard forward, the path `run` and `serve` use.
 //! It does not compare with other engines (scripts/bench-vs-llamacpp.sh does) nor assert speeds.
 
@@ -19,11 +19,15 @@ pub struct BenchOptions {
     pub repetitions: usize,
     /// Threads for the bandwidth probe (the kernels' pool is sized by the caller).
     pub threads: usize,
+    /// The device the model was loaded on, when it is a GPU (the roofline then uses its copy rate).
+    pub device: Option<super::device::ComputeDevice>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct BenchReport {
     pub model: String,
+    /// `cpu` or `cuda:N`.
+    pub device: String,
     pub threads: usize,
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
@@ -87,11 +91,16 @@ pub fn run(model: &LoadedModel, opts: &BenchOptions) -> Result<BenchReport> {
         decode_runs.push(opts.gen_tokens as f64 / t0.elapsed().as_secs_f64());
     }
 
-    let mem_bw = read_bandwidth(opts.threads, 256 << 20, Duration::from_millis(600));
+    // The roofline's ceiling: CPU memory read over the same threads, or the GPU's copy rate.
+    let mem_bw = match &opts.device {
+        Some(d) if d.is_gpu() => super::probe::gpu_copy_bandwidth(d, 1 << 30, Duration::from_millis(600))?,
+        _ => read_bandwidth(opts.threads, 256 << 20, Duration::from_millis(600)),
+    };
     let decode = median(&decode_runs);
     let bytes = shard.decode_bytes();
     Ok(BenchReport {
         model: model.name.clone(),
+        device: opts.device.as_ref().map_or_else(|| "cpu".into(), |d| d.label()),
         threads: opts.threads,
         prompt_tokens: prompt.len(),
         gen_tokens: opts.gen_tokens,

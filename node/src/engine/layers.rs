@@ -199,6 +199,7 @@ impl Attention {
             scores = ((scores / cap)?.tanh()? * cap)?;
         }
         if let Some(mask) = attention_mask(start, t, first_key, keys, self.window, x.device())? {
+            let mask = mask.to_dtype(scores.dtype())?;
             scores = scores
                 .reshape((b, self.num_kv_heads, rep, t, keys))?
                 .broadcast_add(&mask)?

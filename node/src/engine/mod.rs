@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod cache;
+pub mod device;
 pub mod families;
 pub mod generate;
 pub mod gguf_tokenizer;
@@ -12,6 +13,7 @@ pub mod kernels;
 pub mod layers;
 pub mod model;
 pub mod probe;
+pub mod quantize;
 pub mod runtime;
 pub mod sampler;
 pub mod shard;
@@ -64,6 +66,9 @@ pub enum EngineError {
     /// The engine thread has stopped.
     #[error("the engine has shut down")]
     ShutDown,
+    /// The compute device could not be opened or used.
+    #[error("device: {0}")]
+    Device(String),
     /// A tensor operation failed.
     #[error("compute: {0}")]
     Compute(#[from] candle_core::Error),

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::Device;
 
+use super::device::ComputeDevice;
 use super::families::{spec_from_gguf, spec_from_hf_config};
 use super::shard::{LayerRange, Shard};
 use super::spec::{ModelSpec, RopeScaling};
@@ -119,14 +120,14 @@ fn resolve(path: &Path) -> Result<PathBuf> {
 pub struct LoadOptions {
     /// Layers to load; all of them when `None`.
     pub range: Option<LayerRange>,
-    pub device: Device,
+    pub device: ComputeDevice,
     /// Caps the context window below the model's own (memory for the KV cache grows with it).
     pub context_limit: Option<usize>,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        LoadOptions { range: None, device: Device::Cpu, context_limit: None }
+        LoadOptions { range: None, device: ComputeDevice::cpu(), context_limit: None }
     }
 }
 
@@ -151,7 +152,7 @@ impl LoadedModel {
         }
         let range = opts.range.unwrap_or(LayerRange::full(source.spec.num_layers));
         let text = source.load_text()?;
-        let shard = source.load_shard(range, &opts.device)?;
+        let shard = source.load_shard(range, opts.device.candle())?;
         Ok(LoadedModel { name: source.name(), path: source.path.clone(), format: source.format, spec: source.spec.clone(), shard, text })
     }
 }

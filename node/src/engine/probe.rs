@@ -1,6 +1,7 @@
-//! A short measurement of this machine as the engine sees it: f32 matrix-multiply FLOP/s
-//! through candle and memory read bandwidth over all cores, each for a fixed time budget
-//! (well under a second in total). The figures feed the cluster view and, later, placement.
+//! A short measurement of this machine as the engine sees it: on the CPU, f32 matrix-multiply
+//! FLOP/s through candle and memory read bandwidth over all cores; on a GPU, f16 matrix-multiply
+//! FLOP/s and device-memory copy bandwidth. Each half runs for a fixed time budget (well under a
+//! second in total). The figures feed adverts, placement and the cluster view.
 //! It does not benchmark quantized kernels or the network, and keeps no state.
 
 use std::hint::black_box;
@@ -9,6 +10,7 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
+use super::device::ComputeDevice;
 use super::Result;
 
 /// What the probe measured.
@@ -36,9 +38,55 @@ impl Default for ProbeBudget {
     }
 }
 
-/// Measures this machine with the default budget.
+/// Measures this machine's CPU with the default budget.
 pub fn measure() -> Result<MachineProfile> {
     measure_with(&ProbeBudget::default())
+}
+
+/// Measures the device shards will compute on: the CPU, or a GPU (f16 GEMM, device copy).
+pub fn measure_device(device: &ComputeDevice) -> Result<MachineProfile> {
+    if !device.is_gpu() {
+        return measure();
+    }
+    let budget = Duration::from_millis(200);
+    Ok(MachineProfile { flops: gpu_matmul_flops(device, 4096, budget)?, mem_bandwidth: gpu_copy_bandwidth(device, 512 << 20, budget)? })
+}
+
+/// Repeats an n×n f16 matmul on the GPU until `budget` has passed (synchronizing to time it).
+fn gpu_matmul_flops(device: &ComputeDevice, n: usize, budget: Duration) -> Result<f64> {
+    let a = Tensor::randn(0f32, 1.0, (n, n), device.candle())?.to_dtype(DType::F16)?;
+    let b = Tensor::randn(0f32, 1.0, (n, n), device.candle())?.to_dtype(DType::F16)?;
+    black_box(a.matmul(&b)?);
+    device.synchronize()?;
+    let started = Instant::now();
+    let mut runs = 0u32;
+    while runs < 4 || started.elapsed() < budget {
+        for _ in 0..8 {
+            black_box(a.matmul(&b)?);
+        }
+        device.synchronize()?;
+        runs += 8;
+    }
+    Ok(2.0 * (n as f64).powi(3) * runs as f64 / started.elapsed().as_secs_f64().max(1e-9))
+}
+
+/// Device-to-device copy bandwidth of a `bytes` buffer, counting bytes read plus bytes written
+/// (the figure GPU datasheets and `nvidia-smi`-style tools quote); the best of the passes counts.
+pub fn gpu_copy_bandwidth(device: &ComputeDevice, bytes: usize, budget: Duration) -> Result<f64> {
+    let src = Tensor::zeros(bytes / 4, DType::F32, device.candle())?.affine(1.0, 1.0)?;
+    black_box(src.copy()?);
+    device.synchronize()?;
+    let started = Instant::now();
+    let mut best = 0f64;
+    while started.elapsed() < budget || best == 0.0 {
+        let t0 = Instant::now();
+        for _ in 0..4 {
+            black_box(src.copy()?);
+        }
+        device.synchronize()?;
+        best = best.max(8.0 * bytes as f64 / t0.elapsed().as_secs_f64().max(1e-9));
+    }
+    Ok(best)
 }
 
 pub fn measure_with(budget: &ProbeBudget) -> Result<MachineProfile> {

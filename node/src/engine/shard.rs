@@ -3,7 +3,7 @@
 //! loads only its own tensors. It turns tokens or hidden states into hidden states or logits
 //! and keeps no per-sequence state of its own (that lives in `ShardCache`).
 
-use candle_core::{Device, Tensor, D};
+use candle_core::{DType, Device, Tensor, D};
 
 use super::cache::ShardCache;
 use super::layers::{rope_tables, DecoderLayer, Linear, RmsNorm};
@@ -60,6 +60,9 @@ pub struct Shard {
     final_norm: Option<RmsNorm>,
     lm_head: Option<Linear>,
     device: Device,
+    /// Activations inside the shard (f32 on the CPU; the checkpoint's half type on a GPU).
+    /// Hidden states and logits leave the shard as f32 whatever this is.
+    dtype: DType,
 }
 
 impl Shard {
@@ -86,7 +89,8 @@ impl Shard {
         } else {
             (None, None)
         };
-        Ok(Shard { spec: spec.clone(), range, embed: if is_first { embed } else { None }, layers, final_norm, lm_head, device: device.clone() })
+        let dtype = weights.compute_dtype(device);
+        Ok(Shard { spec: spec.clone(), range, embed: if is_first { embed } else { None }, layers, final_norm, lm_head, device: device.clone(), dtype })
     }
 
     pub fn is_first(&self) -> bool {
@@ -121,7 +125,7 @@ impl Shard {
                 if ids.is_empty() {
                     return Err(EngineError::InvalidRequest("no tokens to process".into()));
                 }
-                let x = embed.lookup(ids)?.unsqueeze(0)?;
+                let x = embed.lookup(ids)?.to_device(&self.device)?.to_dtype(self.dtype)?.unsqueeze(0)?;
                 match self.spec.embedding_scale {
                     Some(s) => (x * s)?,
                     None => x,
@@ -132,7 +136,7 @@ impl Shard {
                 if b != 1 || t == 0 || d != self.spec.hidden_size {
                     return Err(EngineError::Shard(format!("hidden states of shape ({b}, {t}, {d}) do not fit hidden size {}", self.spec.hidden_size)));
                 }
-                h.to_device(&self.device)?
+                h.to_device(&self.device)?.to_dtype(self.dtype)?
             }
             (ShardInput::Tokens(_), None) => return Err(EngineError::Shard(format!("shard {} has no embedding: it takes hidden states", self.range))),
             (ShardInput::Hidden(_), Some(_)) => return Err(EngineError::Shard("the first shard takes token ids".into())),
@@ -148,7 +152,8 @@ impl Shard {
             let idx = match tables.iter().position(|(r, _)| *r == layer.rope()) {
                 Some(i) => i,
                 None => {
-                    tables.push((layer.rope(), rope_tables(layer.rope(), layer.head_dim(), start, t, &self.device)?));
+                    let (cos, sin) = rope_tables(layer.rope(), layer.head_dim(), start, t, &self.device)?;
+                    tables.push((layer.rope(), (cos.to_dtype(self.dtype)?, sin.to_dtype(self.dtype)?)));
                     tables.len() - 1
                 }
             };
@@ -158,7 +163,7 @@ impl Shard {
         match (&self.final_norm, &self.lm_head) {
             (Some(norm), Some(head)) => {
                 let x = if all_logits { x } else { x.narrow(1, t - 1, 1)? };
-                let mut logits = head.forward(&norm.forward(&x)?)?.squeeze(0)?;
+                let mut logits = head.forward(&norm.forward(&x)?)?.squeeze(0)?.to_dtype(DType::F32)?;
                 if let Some(cap) = self.spec.final_logit_softcap {
                     logits = ((logits / cap)?.tanh()? * cap)?;
                 }
@@ -168,7 +173,7 @@ impl Shard {
                 }
                 Ok(ShardOutput::Logits(logits.contiguous()?))
             }
-            _ => Ok(ShardOutput::Hidden(x)),
+            _ => Ok(ShardOutput::Hidden(x.to_dtype(DType::F32)?)),
         }
     }
 }

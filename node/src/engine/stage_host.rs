@@ -8,8 +8,7 @@ use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use candle_core::Device;
-
+use super::device::ComputeDevice;
 use super::model::ModelSource;
 use super::shard::LayerRange;
 use super::stage::{StageService, Step, StepOutput};
@@ -35,7 +34,8 @@ const MAX_SESSIONS: usize = 32;
 const IDLE_TIMEOUT: Duration = Duration::from_secs(120);
 
 impl StageHost {
-    pub fn spawn() -> StageHost {
+    /// Starts the stage thread; every stage it loads computes on `device`.
+    pub fn spawn(device: ComputeDevice) -> StageHost {
         let (inbox, jobs) = mpsc::channel::<Job>();
         std::thread::Builder::new()
             .name("shoal-stages".into())
@@ -49,7 +49,7 @@ impl StageHost {
                                 continue;
                             }
                             stages.remove(&model);
-                            let loaded = ModelSource::open(&path).and_then(|src| src.load_shard(range, &Device::Cpu));
+                            let loaded = ModelSource::open(&path).and_then(|src| src.load_shard(range, device.candle()));
                             reply(loaded.map(|shard| {
                                 stages.insert(model, StageService::new(shard, MAX_SESSIONS, IDLE_TIMEOUT));
                             }));

@@ -107,6 +107,22 @@ impl TextCodec {
         &self.stop_ids
     }
 
+    /// The GGUF keys `for_gguf` reads back (BOS, EOS, whether to add BOS, the chat template), for
+    /// writing a GGUF whose tokenizer.json lies beside it.
+    pub fn gguf_metadata(&self) -> Vec<(String, GgufValue)> {
+        let mut md = vec![("tokenizer.ggml.add_bos_token".to_string(), GgufValue::Bool(self.add_bos))];
+        if let Some((id, _)) = &self.bos {
+            md.push(("tokenizer.ggml.bos_token_id".into(), GgufValue::U32(*id)));
+        }
+        if let Some(id) = self.eos_text.as_deref().and_then(|t| self.tokenizer.token_to_id(t)).or_else(|| self.stop_ids.first().copied()) {
+            md.push(("tokenizer.ggml.eos_token_id".into(), GgufValue::U32(id)));
+        }
+        if let Some(t) = &self.chat_template {
+            md.push(("tokenizer.chat_template".into(), GgufValue::String(t.clone())));
+        }
+        md
+    }
+
     /// Tokenizes a prompt; special-token strings in it map to their ids; BOS is prepended
     /// when the model wants it and the text does not already start with it.
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {

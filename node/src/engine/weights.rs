@@ -214,31 +214,7 @@ impl Weights {
                     Role::Down => format!("{l}mlp.down_proj.weight"),
                 }
             }
-            Weights::Gguf { .. } => {
-                let l = format!("blk.{layer}.");
-                match role {
-                    Role::Embed => "token_embd.weight".into(),
-                    Role::FinalNorm => "output_norm.weight".into(),
-                    Role::LmHead => "output.weight".into(),
-                    Role::RopeFreqs => "rope_freqs.weight".into(),
-                    Role::AttnNorm => format!("{l}attn_norm.weight"),
-                    Role::Q => format!("{l}attn_q.weight"),
-                    Role::K => format!("{l}attn_k.weight"),
-                    Role::V => format!("{l}attn_v.weight"),
-                    Role::O => format!("{l}attn_output.weight"),
-                    Role::QBias => format!("{l}attn_q.bias"),
-                    Role::KBias => format!("{l}attn_k.bias"),
-                    Role::VBias => format!("{l}attn_v.bias"),
-                    Role::QNorm => format!("{l}attn_q_norm.weight"),
-                    Role::KNorm => format!("{l}attn_k_norm.weight"),
-                    Role::PostAttnNorm => format!("{l}post_attention_norm.weight"),
-                    Role::FfnNorm => format!("{l}ffn_norm.weight"),
-                    Role::PostFfnNorm => format!("{l}post_ffw_norm.weight"),
-                    Role::Gate => format!("{l}ffn_gate.weight"),
-                    Role::Up => format!("{l}ffn_up.weight"),
-                    Role::Down => format!("{l}ffn_down.weight"),
-                }
-            }
+            Weights::Gguf { .. } => gguf_name(role, layer),
         }
     }
 
@@ -296,11 +272,27 @@ impl Weights {
                 let view = st.get(name).map_err(|_| EngineError::MissingTensor(name.to_string()))?;
                 let t = candle_core::safetensors::Load::load(&view, device)
                     .map_err(|e| EngineError::InvalidModel(format!("tensor `{name}`: {e}")))?;
-                // bf16/f16 are widened once here: candle's CPU kernels are fastest and exact in f32.
-                Ok(t.to_dtype(DType::F32)?)
+                // One dtype for every dense tensor: f32 on the CPU (bf16/f16 widened once here),
+                // the checkpoint's own half type on a GPU.
+                Ok(t.to_dtype(self.compute_dtype(device))?)
             }
             Weights::Gguf { .. } => Ok(self.read_qtensor(name, device)?.dequantize(device)?),
         }
+    }
+
+    /// The dtype of activations and dense tensors on `device` (see `device::compute_dtype`): the
+    /// embedding's stored type decides for safetensors; GGUF computes in f32 (quantized matmuls
+    /// take f32 input).
+    pub fn compute_dtype(&self, device: &Device) -> DType {
+        let stored = match self {
+            Weights::Safetensors { st, .. } => st
+                .get(&self.name(Role::Embed, 0))
+                .ok()
+                .and_then(|v| DType::try_from(v.dtype()).ok())
+                .unwrap_or(DType::F32),
+            Weights::Gguf { .. } => DType::F32,
+        };
+        super::device::compute_dtype(device, stored)
     }
 
     /// A weight matrix for `x @ W^T`, quantized blocks kept as they are.
@@ -310,6 +302,19 @@ impl Weights {
             Weights::Safetensors { .. } => Ok(Matrix::Candle(QMatMul::Tensor(self.read_dense(&name, device)?))),
             Weights::Gguf { .. } => Matrix::from_qtensor(self.read_qtensor(&name, device)?, device),
         }
+    }
+
+    /// Any tensor as a dense `dtype` tensor on `device` (quantized ones dequantized).
+    pub fn dense_on(&self, role: Role, layer: usize, device: &Device, dtype: DType) -> Result<Tensor> {
+        let name = self.name(role, layer);
+        let t = match self {
+            Weights::Safetensors { st, .. } => {
+                let view = st.get(&name).map_err(|_| EngineError::MissingTensor(name.clone()))?;
+                candle_core::safetensors::Load::load(&view, device).map_err(|e| EngineError::InvalidModel(format!("tensor `{name}`: {e}")))?
+            }
+            Weights::Gguf { .. } => self.read_qtensor(&name, device)?.dequantize(device)?,
+        };
+        Ok(t.to_dtype(dtype)?)
     }
 
     /// A small tensor (norm weight, bias) as f32.
@@ -342,6 +347,33 @@ impl Weights {
             Weights::Gguf { content, .. } => Some(&content.metadata),
             Weights::Safetensors { .. } => None,
         }
+    }
+}
+
+/// A tensor's name in GGUF files (llama.cpp's names).
+pub fn gguf_name(role: Role, layer: usize) -> String {
+    let l = format!("blk.{layer}.");
+    match role {
+        Role::Embed => "token_embd.weight".into(),
+        Role::FinalNorm => "output_norm.weight".into(),
+        Role::LmHead => "output.weight".into(),
+        Role::RopeFreqs => "rope_freqs.weight".into(),
+        Role::AttnNorm => format!("{l}attn_norm.weight"),
+        Role::Q => format!("{l}attn_q.weight"),
+        Role::K => format!("{l}attn_k.weight"),
+        Role::V => format!("{l}attn_v.weight"),
+        Role::O => format!("{l}attn_output.weight"),
+        Role::QBias => format!("{l}attn_q.bias"),
+        Role::KBias => format!("{l}attn_k.bias"),
+        Role::VBias => format!("{l}attn_v.bias"),
+        Role::QNorm => format!("{l}attn_q_norm.weight"),
+        Role::KNorm => format!("{l}attn_k_norm.weight"),
+        Role::PostAttnNorm => format!("{l}post_attention_norm.weight"),
+        Role::FfnNorm => format!("{l}ffn_norm.weight"),
+        Role::PostFfnNorm => format!("{l}post_ffw_norm.weight"),
+        Role::Gate => format!("{l}ffn_gate.weight"),
+        Role::Up => format!("{l}ffn_up.weight"),
+        Role::Down => format!("{l}ffn_down.weight"),
     }
 }
 

@@ -118,6 +118,7 @@ pub fn advert_to_proto(a: &NodeAdvert) -> v1::Advert {
         wants: a.wants.iter().map(footprint_to_proto).collect(),
         plan: a.plan.as_ref().map(plan_to_proto),
         models: a.models.clone(),
+        gpu: a.gpu.as_ref().map(|g| v1::Gpu { name: g.name.clone(), memory_total: g.memory_total }),
     }
 }
 
@@ -139,6 +140,9 @@ pub fn advert_from_proto(a: v1::Advert, signer: &PeerId) -> Result<NodeAdvert, W
     for model in &a.models {
         check_len("advert.models", model, MAX_STRING_BYTES)?;
     }
+    if let Some(g) = &a.gpu {
+        check_len("advert.gpu.name", &g.name, MAX_STRING_BYTES)?;
+    }
     Ok(NodeAdvert {
         mem_bandwidth: check_figure("advert.mem_bandwidth", a.mem_bandwidth)?,
         flops: check_figure("advert.flops", a.flops)?,
@@ -152,6 +156,7 @@ pub fn advert_from_proto(a: v1::Advert, signer: &PeerId) -> Result<NodeAdvert, W
         backend: a.backend,
         addresses: a.addresses,
         models: a.models,
+        gpu: a.gpu.map(|g| crate::cluster::GpuAdvert { name: g.name, memory_total: g.memory_total }),
     })
 }
 

@@ -32,6 +32,8 @@ pub struct SwarmConfig {
     pub advert_every: Duration,
     /// Deadline of one pipeline hop (a long prefill takes longer than a decode step).
     pub hop_deadline: Duration,
+    /// Where this node's stages compute (the CPU, or a GPU).
+    pub device: crate::engine::device::ComputeDevice,
 }
 
 /// What `/v1/cluster` shows.
@@ -113,7 +115,7 @@ pub fn spawn(config: SwarmConfig, net: NetHandle, mut net_events: mpsc::Receiver
     let (plan_tx, plan_rx) = watch::channel::<Option<Arc<Plan>>>(None);
     // Stage loads report back here from the stage thread.
     let (stage_done_tx, mut stage_done) = mpsc::unbounded_channel::<(String, LayerRange, Result<(), String>)>();
-    let hop = HopContext { me: config.advert.id.clone(), net: net.clone(), stages: StageHost::spawn(), plan: plan_rx, hop_deadline: config.hop_deadline };
+    let hop = HopContext { me: config.advert.id.clone(), net: net.clone(), stages: StageHost::spawn(config.device.clone()), plan: plan_rx, hop_deadline: config.hop_deadline };
     let mut actor = Coordinator { config, state, net, hop, plan_tx, loaded: HashMap::new(), stage_done_tx, rtt: BTreeMap::new(), started: Instant::now(), persisted_round: highest_round };
     tokio::spawn(async move {
         let mut ticker = tokio::time::interval(actor.config.advert_every);

@@ -1,0 +1,134 @@
+//! Which device the engine computes on: `--device auto|cpu|cuda[:N]`, opened once per process
+//! and shared, plus what a GPU is (name, memory) for the node's advert. Without the `cuda`
+//! feature only the CPU exists and asking for CUDA is a clear error; `auto` never fails.
+//! It does not measure speed (`probe.rs` does) nor decide placement.
+
+use std::str::FromStr;
+
+use candle_core::{DType, Device};
+
+use super::{EngineError, Result};
+
+/// What the user asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceChoice {
+    /// The first CUDA GPU when this build has CUDA and the machine a GPU, else the CPU.
+    #[default]
+    Auto,
+    Cpu,
+    Cuda(usize),
+}
+
+impl FromStr for DeviceChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(DeviceChoice::Auto),
+            "cpu" => Ok(DeviceChoice::Cpu),
+            "cuda" | "gpu" => Ok(DeviceChoice::Cuda(0)),
+            other => match other.strip_prefix("cuda:") {
+                Some(n) => n.parse().map(DeviceChoice::Cuda).map_err(|_| format!("`{s}`: expected cuda:N with N a GPU index")),
+                None => Err(format!("`{s}` is not a device: use auto, cpu, cuda or cuda:N")),
+            },
+        }
+    }
+}
+
+/// The device a node's shards live on. Cloning shares the device (and its CUDA stream).
+#[derive(Debug, Clone)]
+pub struct ComputeDevice {
+    device: Device,
+    gpu: Option<GpuInfo>,
+}
+
+/// A GPU as the node advertises it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct GpuInfo {
+    pub name: String,
+    pub index: usize,
+    pub memory_total: u64,
+    pub memory_free: u64,
+}
+
+impl ComputeDevice {
+    pub fn cpu() -> Self {
+        ComputeDevice { device: Device::Cpu, gpu: None }
+    }
+
+    /// Opens the device `choice` names; `Auto` falls back to the CPU when no GPU can be opened.
+    pub fn open(choice: DeviceChoice) -> Result<Self> {
+        match choice {
+            DeviceChoice::Cpu => Ok(Self::cpu()),
+            DeviceChoice::Cuda(i) => Self::open_cuda(i),
+            DeviceChoice::Auto => match Self::open_cuda(0) {
+                Ok(d) => Ok(d),
+                Err(e) => {
+                    if cfg!(feature = "cuda") {
+                        tracing::info!("no usable CUDA GPU ({e}); computing on the CPU");
+                    }
+                    Ok(Self::cpu())
+                }
+            },
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn open_cuda(index: usize) -> Result<Self> {
+        let device = Device::new_cuda(index).map_err(|e| EngineError::Device(format!("cuda:{index}: {e}")))?;
+        let cuda = device.as_cuda_device().map_err(|e| EngineError::Device(e.to_string()))?;
+        let ctx = cuda.cuda_stream().context().clone();
+        let name = ctx.name().unwrap_or_else(|_| "NVIDIA GPU".into());
+        let (free, total) = ctx.mem_get_info().map_err(|e| EngineError::Device(format!("cuda:{index}: {e}")))?;
+        Ok(ComputeDevice { device, gpu: Some(GpuInfo { name, index, memory_total: total as u64, memory_free: free as u64 }) })
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn open_cuda(index: usize) -> Result<Self> {
+        Err(EngineError::Device(format!("cuda:{index}: this shoal was built without CUDA (build with scripts/build-cuda.sh or `--features cuda`)")))
+    }
+
+    pub(crate) fn candle(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn is_gpu(&self) -> bool {
+        self.gpu.is_some()
+    }
+
+    pub fn gpu(&self) -> Option<&GpuInfo> {
+        self.gpu.as_ref()
+    }
+
+    /// GPU memory free now (it changes as models load), or `None` on the CPU.
+    pub fn gpu_memory_free(&self) -> Option<u64> {
+        #[cfg(feature = "cuda")]
+        if let Ok(cuda) = self.device.as_cuda_device() {
+            return cuda.cuda_stream().context().mem_get_info().ok().map(|(free, _)| free as u64);
+        }
+        None
+    }
+
+    /// `cpu`, `cuda:0`: the backend name adverts and the cluster view show.
+    pub fn label(&self) -> String {
+        match &self.gpu {
+            Some(g) => format!("cuda:{}", g.index),
+            None => "cpu".into(),
+        }
+    }
+
+    /// Waits until queued device work has finished (timing needs it; the CPU is always done).
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.device.synchronize()?)
+    }
+}
+
+/// The dtype activations and dense weights use on `device` for weights stored as `stored`:
+/// f32 on the CPU (candle's CPU kernels are fastest and exact there); on a GPU the stored
+/// half-precision type stays, so matrices run through cuBLAS at their own width.
+pub fn compute_dtype(device: &Device, stored: DType) -> DType {
+    match (device.is_cpu(), stored) {
+        (false, DType::F16 | DType::BF16) => stored,
+        _ => DType::F32,
+    }
+}

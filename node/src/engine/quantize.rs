@@ -1,0 +1,206 @@
+//! `shoal models quantize`: turns a Hugging Face safetensors model (llama, mistral, qwen2, qwen3)
+//! into a GGUF file that shoal (and llama.cpp's tensor layout) reads, quantized as Q4_K_M (Q4_K
+//! matrices, Q6_K for the LM head and for attn_v/ffn_down in llama.cpp's "more bits" layers),
+//! Q8_0 or F16; norms and biases stay f32. Tensors are quantized in parallel.
+//! The tokenizer is not embedded: `tokenizer.json` is copied beside the GGUF (shoal's store
+//! layout), and BOS/EOS and the chat template go into the metadata. It does not handle Gemma 3
+//! (its GGUF norms differ) or re-quantize GGUF input.
+
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use candle_core::quantized::gguf_file::Value;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
+
+use super::model::{ModelSource, WeightFormat};
+use super::spec::{Family, Rope, RopeScaling};
+use super::weights::{gguf_name, Role};
+use super::{EngineError, Result};
+
+/// The quantization a GGUF is written in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuantKind {
+    Q4KM,
+    Q8_0,
+    F16,
+}
+
+impl FromStr for QuantKind {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "q4_k_m" | "q4km" | "q4_k" => Ok(QuantKind::Q4KM),
+            "q8_0" | "q8" => Ok(QuantKind::Q8_0),
+            "f16" => Ok(QuantKind::F16),
+            _ => Err(format!("`{s}`: use q4_k_m, q8_0 or f16")),
+        }
+    }
+}
+
+impl QuantKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantKind::Q4KM => "q4_k_m",
+            QuantKind::Q8_0 => "q8_0",
+            QuantKind::F16 => "f16",
+        }
+    }
+
+    /// llama.cpp's `general.file_type` numbers.
+    fn file_type(self) -> u32 {
+        match self {
+            QuantKind::Q4KM => 15,
+            QuantKind::Q8_0 => 7,
+            QuantKind::F16 => 1,
+        }
+    }
+}
+
+/// What was written.
+#[derive(Debug, Clone)]
+pub struct QuantizeReport {
+    pub gguf: PathBuf,
+    pub tensors: usize,
+    pub bytes: u64,
+}
+
+/// Quantizes the model directory `src` into `dst/model.gguf` (+ `dst/tokenizer.json`).
+pub fn quantize_hf_dir(src: &Path, dst: &Path, kind: QuantKind) -> Result<QuantizeReport> {
+    let source = ModelSource::open(src)?;
+    if source.format != WeightFormat::Safetensors {
+        return Err(EngineError::InvalidRequest(format!("{}: quantize takes a Hugging Face safetensors directory", src.display())));
+    }
+    let spec = &source.spec;
+    let arch = match spec.family {
+        Family::Llama | Family::Mistral => "llama",
+        Family::Qwen2 => "qwen2",
+        Family::Qwen3 => "qwen3",
+        Family::Gemma3 => return Err(EngineError::InvalidRequest("quantizing gemma3 is not supported (its GGUF norms differ)".into())),
+    };
+
+    let mut metadata: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        ("general.name".into(), Value::String(source.name())),
+        ("general.file_type".into(), Value::U32(kind.file_type())),
+        (format!("{arch}.block_count"), Value::U32(spec.num_layers as u32)),
+        (format!("{arch}.context_length"), Value::U32(spec.context_length as u32)),
+        (format!("{arch}.embedding_length"), Value::U32(spec.hidden_size as u32)),
+        (format!("{arch}.feed_forward_length"), Value::U32(spec.intermediate_size as u32)),
+        (format!("{arch}.attention.head_count"), Value::U32(spec.num_heads as u32)),
+        (format!("{arch}.attention.head_count_kv"), Value::U32(spec.num_kv_heads as u32)),
+        (format!("{arch}.attention.key_length"), Value::U32(spec.head_dim as u32)),
+        (format!("{arch}.attention.value_length"), Value::U32(spec.head_dim as u32)),
+        (format!("{arch}.attention.layer_norm_rms_epsilon"), Value::F32(spec.rms_eps as f32)),
+        (format!("{arch}.rope.freq_base"), Value::F32(spec.rope.theta as f32)),
+    ];
+    match &spec.rope.scaling {
+        RopeScaling::None => {}
+        RopeScaling::Linear { factor } => {
+            metadata.push((format!("{arch}.rope.scaling.type"), Value::String("linear".into())));
+            metadata.push((format!("{arch}.rope.scaling.factor"), Value::F32(*factor as f32)));
+        }
+        // Llama 3 scaling (and divisors read from a GGUF) travel as llama.cpp's `rope_freqs.weight`.
+        RopeScaling::Llama3 { .. } | RopeScaling::Divisors(_) => {}
+    }
+    let rope_divisors: Option<Vec<f32>> = match &spec.rope.scaling {
+        RopeScaling::Llama3 { .. } | RopeScaling::Divisors(_) => {
+            let base = Rope { theta: spec.rope.theta, scaling: RopeScaling::None }.inv_freq(spec.head_dim);
+            Some(base.iter().zip(spec.rope.inv_freq(spec.head_dim)).map(|(b, s)| b / s).collect())
+        }
+        _ => None,
+    };
+    if let Some(w) = spec.sliding_window.filter(|_| arch == "llama") {
+        metadata.push((format!("{arch}.attention.sliding_window"), Value::U32(w as u32)));
+    }
+    // Without tokenizer.json (test fixtures) the GGUF carries no tokenizer keys.
+    let tokenizer = source.path.join("tokenizer.json");
+    if tokenizer.exists() {
+        metadata.extend(source.load_text()?.gguf_metadata());
+    }
+
+    // Every tensor the engine reads, with its GGUF name and target type.
+    let mut jobs: Vec<(Role, usize)> = vec![(Role::Embed, 0), (Role::FinalNorm, 0)];
+    if source.weights.contains(Role::LmHead, 0) && !spec.tie_embeddings {
+        jobs.push((Role::LmHead, 0));
+    }
+    let layer_roles = [Role::AttnNorm, Role::Q, Role::K, Role::V, Role::O, Role::QBias, Role::KBias, Role::VBias, Role::QNorm, Role::KNorm, Role::FfnNorm, Role::Gate, Role::Up, Role::Down];
+    for layer in 0..spec.num_layers {
+        for role in layer_roles {
+            if source.weights.contains(role, layer) {
+                jobs.push((role, layer));
+            }
+        }
+    }
+    let layers = spec.num_layers;
+    let rope_permute = arch == "llama";
+    let (heads, kv_heads) = (spec.num_heads, spec.num_kv_heads);
+    let tensors: Vec<(String, QTensor)> = jobs
+        .par_iter()
+        .map(|&(role, layer)| -> Result<(String, QTensor)> {
+            let mut t = source.weights.dense_on(role, layer, &Device::Cpu, DType::F32)?;
+            // llama.cpp stores llama q/k rows so that rope pairs adjacent dimensions.
+            if rope_permute && matches!(role, Role::Q | Role::K) {
+                t = permute_for_interleaved_rope(&t, if role == Role::Q { heads } else { kv_heads })?;
+            }
+            let dtype = target_type(kind, role, layer, layers, t.dims());
+            Ok((gguf_name(role, layer), QTensor::quantize(&t, dtype)?))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut tensors = tensors;
+    if let Some(d) = rope_divisors {
+        let n = d.len();
+        tensors.push((gguf_name(Role::RopeFreqs, 0), QTensor::quantize(&Tensor::from_vec(d, n, &Device::Cpu)?, GgmlDType::F32)?));
+    }
+
+    std::fs::create_dir_all(dst).map_err(|e| EngineError::Io { path: dst.to_path_buf(), source: e })?;
+    let gguf = dst.join("model.gguf");
+    let partial = dst.join("model.gguf.part");
+    let io = |e: std::io::Error| EngineError::Io { path: partial.clone(), source: e };
+    {
+        let mut file = std::io::BufWriter::new(std::fs::File::create(&partial).map_err(io)?);
+        let md: Vec<(&str, &Value)> = metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let ts: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        candle_core::quantized::gguf_file::write(&mut file, &md, &ts)?;
+        std::io::Write::flush(&mut file).map_err(io)?;
+    }
+    std::fs::rename(&partial, &gguf).map_err(io)?;
+    if tokenizer.exists() {
+        std::fs::copy(&tokenizer, dst.join("tokenizer.json")).map_err(|e| EngineError::Io { path: tokenizer, source: e })?;
+    }
+    let bytes = std::fs::metadata(&gguf).map(|m| m.len()).unwrap_or(0);
+    Ok(QuantizeReport { gguf, tensors: tensors.len(), bytes })
+}
+
+/// llama.cpp's Q4_K_M mix: vectors f32; the LM head Q6_K; attn_v and ffn_down Q6_K in the first
+/// and last eighth of the layers and every third layer between; other matrices Q4_K. A matrix
+/// whose rows do not split into whole blocks falls back to Q8_0, then F16.
+fn target_type(kind: QuantKind, role: Role, layer: usize, layers: usize, dims: &[usize]) -> GgmlDType {
+    if dims.len() < 2 {
+        return GgmlDType::F32;
+    }
+    let cols = dims[dims.len() - 1];
+    let wanted = match kind {
+        QuantKind::F16 => GgmlDType::F16,
+        QuantKind::Q8_0 => GgmlDType::Q8_0,
+        QuantKind::Q4KM => {
+            let more_bits = layer < layers / 8 || layer >= 7 * layers / 8 || (layer - layers / 8) % 3 == 2;
+            match role {
+                Role::LmHead => GgmlDType::Q6K,
+                Role::V | Role::Down if more_bits => GgmlDType::Q6K,
+                _ => GgmlDType::Q4K,
+            }
+        }
+    };
+    [wanted, GgmlDType::Q8_0, GgmlDType::F16].into_iter().find(|d| cols % d.block_size() == 0).unwrap_or(GgmlDType::F16)
+}
+
+/// Rows of a q/k projection reordered from HF's halves layout to adjacent pairs per head.
+fn permute_for_interleaved_rope(w: &Tensor, heads: usize) -> Result<Tensor> {
+    let dims = w.dims().to_vec();
+    let rows = dims[0];
+    let rest: usize = dims[1..].iter().product();
+    let half = rows / heads / 2;
+    Ok(w.reshape((heads, 2, half, rest))?.transpose(1, 2)?.contiguous()?.reshape(dims)?)
+}

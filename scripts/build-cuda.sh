@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# build-cuda.sh — build `shoal` with the `cuda` feature on a machine that has no CUDA toolkit.
+#
+# Usage: scripts/build-cuda.sh [--compute-cap 90] [-- extra cargo args]
+#   Prints the path of the stripped binary as the only line on stdout.
+#
+# What it does (the recipe measured in ../shared/GPU.md):
+#   * pip-downloads the CUDA 13.0 wheels (nvcc, nvvm, crt, runtime, cccl, nvrtc, cublas, curand)
+#     into ${SHOAL_CUDA_ROOT:-$HOME/.cache/shoal/cuda-13.0} and unpacks them into one toolkit tree;
+#   * adds the unversioned library links and a stub libcuda.so (the real driver replaces it at
+#     run time) so that cudarc links;
+#   * builds `cargo build --release --features cuda` for CUDA_COMPUTE_CAP (default 90: H100/H200).
+# What it does NOT do: install a driver, or make a binary for other GPU generations (rebuild
+# with --compute-cap 80 for A100, 89 for L4/RTX 40xx, 120 for RTX 50xx).
+#
+# With a normal CUDA install (nvcc on PATH, libcuda from the driver) none of this is needed:
+#   CUDA_COMPUTE_CAP=90 cargo build --release --features cuda
+# On the GPU machine the binary needs libcuda.so.1 (driver), libcudart.so.13, libcublas.so.13,
+# libcublasLt.so.13 and libcurand.so.10 on the library path.
+set -euo pipefail
+cap=90
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --compute-cap) cap="$2"; shift 2 ;;
+    --) shift; break ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
+  esac
+done
+here="$(cd "$(dirname "$0")/.." && pwd)"
+root="${SHOAL_CUDA_ROOT:-$HOME/.cache/shoal/cuda-13.0}"
+tree="$root/nvidia/cu13"
+
+if [[ ! -x "$tree/bin/nvcc" ]]; then
+  echo "fetching CUDA 13.0 wheels into $root" >&2
+  mkdir -p "$root/wheels"
+  python3 -m pip download -q --no-deps --only-binary=:all: -d "$root/wheels" \
+    'nvidia-cuda-nvcc>=13.0,<13.1' 'nvidia-nvvm>=13.0,<13.1' 'nvidia-cuda-crt>=13.0,<13.1' \
+    'nvidia-cuda-runtime>=13.0,<13.1' 'nvidia-cuda-cccl>=13.0,<13.1' 'nvidia-cuda-nvrtc>=13.0,<13.1' \
+    'nvidia-cublas>=13.0,<13.1' 'nvidia-curand>=10.4,<10.5' >&2
+  for w in "$root"/wheels/*.whl; do
+    python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])' "$w" "$root"
+  done
+  chmod +x "$tree"/bin/* "$tree"/nvvm/bin/* 2>/dev/null || true
+fi
+[[ -x "$tree/bin/nvcc" ]] || { echo "no nvcc in $tree/bin after unpacking the wheels" >&2; exit 1; }
+
+lib="$tree/lib"
+for n in cublas cublasLt cudart nvrtc; do
+  [[ -e "$lib/lib$n.so" ]] || ln -sf "lib$n.so.13" "$lib/lib$n.so"
+done
+[[ -e "$lib/libcurand.so" ]] || ln -sf libcurand.so.10 "$lib/libcurand.so"
+
+# A stub libcuda.so: one empty function for every driver symbol cudarc declares.
+if [[ ! -e "$lib/stubs/libcuda.so" ]]; then
+  mkdir -p "$lib/stubs"
+  (cd "$here" && cargo fetch -q >&2)
+  sys="$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.19*/src/driver/sys | head -1)"
+  grep -rhoE '\bpub (unsafe )?fn (cu[A-Za-z0-9_]+)' "$sys" | awk '{print $NF}' | sort -u |
+    sed 's/.*/void &(void) {}/' > "$lib/stubs/libcuda.c"
+  grep -rhoE '"(cu[A-Za-z0-9_]+)"' "$sys" | tr -d '"' | sort -u | sed 's/.*/void &(void) {}/' >> "$lib/stubs/libcuda.c"
+  sort -u -o "$lib/stubs/libcuda.c" "$lib/stubs/libcuda.c"
+  gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$lib/stubs/libcuda.so" "$lib/stubs/libcuda.c"
+fi
+
+export CUDA_ROOT="$tree" CUDA_HOME="$tree" CUDA_PATH="$tree" NVCC="$tree/bin/nvcc" CUDA_COMPUTE_CAP="$cap"
+export PATH="$tree/bin:$PATH"
+export LIBRARY_PATH="$lib:$lib/stubs:${LIBRARY_PATH:-}"
+export RUSTFLAGS="${RUSTFLAGS:-} -L native=$lib -L native=$lib/stubs"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$here/target-cuda}"
+(cd "$here" && cargo build --release --features cuda --bin shoal "$@" >&2)
+bin="$CARGO_TARGET_DIR/release/shoal"
+strip "$bin"
+echo "$bin"
