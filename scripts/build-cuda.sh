@@ -2,7 +2,8 @@
 # build-cuda.sh — build `shoal` with the `cuda` feature on a machine that has no CUDA toolkit.
 #
 # Usage: scripts/build-cuda.sh [--compute-cap 90] [-- extra cargo args]
-#   Prints the path of the stripped binary as the only line on stdout.
+#   Prints the path of the stripped binary as the only line on stdout, and packs both binaries
+#   (shoal, examples/device_check) gzipped into .gpu/ for scripts/gpu-check.sh on a GPU machine.
 #
 # What it does (the recipe measured in ../shared/GPU.md):
 #   * pip-downloads the CUDA 13.0 wheels (nvcc, nvvm, crt, runtime, cccl, nvrtc, cublas, curand)
@@ -67,7 +68,14 @@ export PATH="$tree/bin:$PATH"
 export LIBRARY_PATH="$lib:$lib/stubs:${LIBRARY_PATH:-}"
 export RUSTFLAGS="${RUSTFLAGS:-} -L native=$lib -L native=$lib/stubs"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$here/target-cuda}"
-(cd "$here" && cargo build --release --features cuda --bin shoal "$@" >&2)
+(cd "$here" && cargo build --release --features cuda --bin shoal --example device_check "$@" >&2)
 bin="$CARGO_TARGET_DIR/release/shoal"
-strip "$bin"
+strip "$bin" "$CARGO_TARGET_DIR/release/examples/device_check"
+# .gpu/ (git-ignored) is what travels to a GPU machine: both binaries gzipped, and the Qwen
+# tokenizer for the generated models (scripts/gpu-check.sh unpacks them there).
+mkdir -p "$here/.gpu"
+gzip -c "$bin" > "$here/.gpu/shoal.gz"
+gzip -c "$CARGO_TARGET_DIR/release/examples/device_check" > "$here/.gpu/device_check.gz"
+tok="${SHOAL_MODEL_CACHE:-$HOME/.cache/shoal/models}/qwen2.5-coder-1.5b/tokenizer.json"
+[[ -f $tok ]] && cp "$tok" "$here/.gpu/tokenizer.json"
 echo "$bin"

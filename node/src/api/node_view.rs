@@ -163,11 +163,15 @@ pub async fn cluster(State(app): State<Arc<App>>) -> Json<Value> {
         .iter()
         .map(|m| {
             let is_me = m.id == me;
+            // Our own RAM figures are fresher than our advert's; a GPU node's memory is the GPU's.
+            let own_ram = is_me && m.gpu.is_none();
             json!({
                 "id": m.id, "name": if is_me { app.node.name.clone() } else { m.name.clone() },
-                "memory_total": if is_me { memory_total } else { m.memory_total },
-                "memory_available": if is_me { memory_available } else { m.memory_offered },
-                "backend": m.backend, "device": if is_me { app.node.device.clone() } else { m.backend.clone() },
+                "memory_total": if own_ram { memory_total } else { m.memory_total },
+                "memory_available": if own_ram { memory_available } else { m.memory_offered },
+                "backend": m.backend,
+                "device": if is_me { app.node.device.clone() } else { m.gpu.as_ref().map_or_else(|| m.backend.clone(), |g| g.name.clone()) },
+                "gpu": m.gpu,
                 "flops": m.flops, "mem_bandwidth": m.mem_bandwidth,
                 "addresses": if is_me { app.addresses.clone() } else { m.addresses.clone() },
                 "models": stages_on(&m.id), "local_models": m.models,

@@ -70,6 +70,49 @@ impl Linear {
         w + self.bias.as_ref().map_or(0, tensor_bytes)
     }
 
+    /// On a GPU, dense matrices that share an input run as one GEMM: their weights (and biases)
+    /// are stacked once at load and each part keeps a view of its own rows, so memory is not
+    /// doubled. `None` (nothing changed) on the CPU, for quantized matrices, or mixed biases.
+    fn fuse(parts: &mut [&mut Linear]) -> Result<Option<Linear>> {
+        let dense: Option<Vec<Tensor>> = parts
+            .iter()
+            .map(|l| match &l.weight {
+                Matrix::Candle(candle_core::quantized::QMatMul::Tensor(t)) if !t.device().is_cpu() => Some(t.clone()),
+                _ => None,
+            })
+            .collect();
+        let Some(weights) = dense else { return Ok(None) };
+        let biases: Option<Vec<Tensor>> = parts.iter().map(|l| l.bias.clone()).collect();
+        if biases.is_none() && parts.iter().any(|l| l.bias.is_some()) {
+            return Ok(None);
+        }
+        let w = Tensor::cat(&weights, 0)?;
+        let b = biases.map(|bs| Tensor::cat(&bs, 0)).transpose()?;
+        let mut row = 0;
+        for (l, part) in parts.iter_mut().zip(&weights) {
+            let n = part.dim(0)?;
+            l.weight = Matrix::Candle(candle_core::quantized::QMatMul::Tensor(w.narrow(0, row, n)?));
+            l.bias = b.as_ref().map(|b| b.narrow(0, row, n)).transpose()?;
+            row += n;
+        }
+        Ok(Some(Linear { weight: Matrix::Candle(candle_core::quantized::QMatMul::Tensor(w)), bias: b }))
+    }
+
+    /// The output rows of a fused forward, split back into its parts' outputs.
+    fn split<const N: usize>(y: Tensor, parts: [&Linear; N]) -> Result<[Tensor; N]> {
+        let mut out = Vec::with_capacity(N);
+        let mut col = 0;
+        for l in parts {
+            let n = match &l.weight {
+                Matrix::Candle(candle_core::quantized::QMatMul::Tensor(t)) => t.dim(0)?,
+                _ => unreachable!("only dense parts are fused"),
+            };
+            out.push(y.narrow(candle_core::D::Minus1, col, n)?);
+            col += n;
+        }
+        Ok(out.try_into().expect("N outputs"))
+    }
+
     fn add_bias(&self, y: Tensor) -> Result<Tensor> {
         Ok(match &self.bias {
             Some(b) => y.broadcast_add(b)?,
@@ -133,6 +176,8 @@ pub struct Attention {
     softcap: Option<f64>,
     rope_style: RopeStyle,
     window: Option<usize>,
+    /// q, k and v stacked into one matrix on a GPU (see `Linear::fuse`).
+    qkv: Option<Linear>,
 }
 
 impl Attention {
@@ -141,10 +186,15 @@ impl Attention {
         let norm = |r| -> Result<Option<RmsNorm>> {
             if spec.qk_norm { Ok(Some(RmsNorm::load(w, r, layer, spec, device)?)) } else { Ok(None) }
         };
+        let mut q = Linear::load(w, Role::Q, bias(Role::QBias), layer, device)?;
+        let mut k = Linear::load(w, Role::K, bias(Role::KBias), layer, device)?;
+        let mut v = Linear::load(w, Role::V, bias(Role::VBias), layer, device)?;
+        let qkv = Linear::fuse(&mut [&mut q, &mut k, &mut v])?;
         Ok(Attention {
-            q: Linear::load(w, Role::Q, bias(Role::QBias), layer, device)?,
-            k: Linear::load(w, Role::K, bias(Role::KBias), layer, device)?,
-            v: Linear::load(w, Role::V, bias(Role::VBias), layer, device)?,
+            q,
+            k,
+            v,
+            qkv,
             o: Linear::load(w, Role::O, None, layer, device)?,
             q_norm: norm(Role::QNorm)?,
             k_norm: norm(Role::KNorm)?,
@@ -168,7 +218,10 @@ impl Attention {
         let (b, t, _) = x.dims3()?;
         let start = cache.len();
         let heads = |y: Tensor, n: usize| -> Result<Tensor> { Ok(y.reshape((b, t, n, self.head_dim))?.transpose(1, 2)?.contiguous()?) };
-        let [q, k, v] = Linear::forward_group([&self.q, &self.k, &self.v], x)?;
+        let [q, k, v] = match &self.qkv {
+            Some(fused) => Linear::split(fused.forward(x)?, [&self.q, &self.k, &self.v])?,
+            None => Linear::forward_group([&self.q, &self.k, &self.v], x)?,
+        };
         let mut q = heads(q, self.num_heads)?;
         let mut k = heads(k, self.num_kv_heads)?;
         let v = heads(v, self.num_kv_heads)?;
@@ -188,8 +241,11 @@ impl Attention {
             _ => 0,
         };
         let keys = total - first_key;
-        let k_all = k_all.narrow(2, first_key, keys)?.contiguous()?;
-        let v_all = v_all.narrow(2, first_key, keys)?.contiguous()?;
+        let (mut k_all, mut v_all) = (k_all.narrow(2, first_key, keys)?, v_all.narrow(2, first_key, keys)?);
+        // cuBLAS reads the cache's strided rows as they are; the CPU matmul is faster on a copy.
+        if x.device().is_cpu() {
+            (k_all, v_all) = (k_all.contiguous()?, v_all.contiguous()?);
+        }
         // Grouped-query attention without copying KV: the heads sharing a KV head are
         // consecutive, so fold them into the query-length axis.
         let rep = self.num_heads / self.num_kv_heads;
@@ -238,16 +294,16 @@ pub struct Mlp {
     up: Linear,
     down: Linear,
     activation: Activation,
+    /// gate and up stacked into one matrix on a GPU (see `Linear::fuse`).
+    gate_up: Option<Linear>,
 }
 
 impl Mlp {
     pub fn load(w: &Weights, spec: &ModelSpec, layer: usize, device: &Device) -> Result<Self> {
-        Ok(Mlp {
-            gate: Linear::load(w, Role::Gate, None, layer, device)?,
-            up: Linear::load(w, Role::Up, None, layer, device)?,
-            down: Linear::load(w, Role::Down, None, layer, device)?,
-            activation: spec.activation,
-        })
+        let mut gate = Linear::load(w, Role::Gate, None, layer, device)?;
+        let mut up = Linear::load(w, Role::Up, None, layer, device)?;
+        let gate_up = Linear::fuse(&mut [&mut gate, &mut up])?;
+        Ok(Mlp { gate, up, down: Linear::load(w, Role::Down, None, layer, device)?, activation: spec.activation, gate_up })
     }
 
     pub fn weight_bytes(&self) -> u64 {
@@ -255,7 +311,10 @@ impl Mlp {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let [gate, up] = Linear::forward_group([&self.gate, &self.up], x)?;
+        let [gate, up] = match &self.gate_up {
+            Some(fused) => Linear::split(fused.forward(x)?, [&self.gate, &self.up])?,
+            None => Linear::forward_group([&self.gate, &self.up], x)?,
+        };
         let gate = match self.activation {
             Activation::Silu => candle_nn::ops::silu(&gate)?,
             Activation::GeluTanh => gate.gelu()?,

@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# gpu-check.sh — run on a CUDA machine (with the binaries from scripts/build-cuda.sh): fidelity,
+# benchmarks against Hugging Face transformers, and a mixed CPU + GPU swarm. Model weights are
+# generated there (scripts/make-random-model.py, real shapes, random values); only the binaries
+# and tokenizer.json travel.
+#   scripts/gpu-check.sh fidelity   fixtures vs transformers on the GPU; Qwen2.5-1.5B-shaped
+#                                   f16 and Q4_K_M: 16 greedy tokens on the GPU equal the CPU's
+#   scripts/gpu-check.sh bench [q15] [q7]   shoal bench (f16, Q4_K_M) for 1.5B and 7B shapes vs
+#                                   transformers f16 on the same GPU, one run, printed as a table
+#   scripts/gpu-check.sh swarm      a CUDA node and two CPU-only nodes (network namespaces when
+#                                   `ip netns` works, loopback otherwise) serve one model; the
+#                                   plan and the output are compared with one node
+# Environment: SHOAL_BIN (default .gpu/shoal), DEVICE_CHECK (.gpu/device_check), TOKENIZER
+# (.gpu/tokenizer.json), WORK (/tmp/shoal-gpu: generated models, kept between stages), OUT.
+set -uo pipefail
+here="$(cd "$(dirname "$0")/.." && pwd)"
+BIN=${SHOAL_BIN:-$here/.gpu/shoal}
+CHECK=${DEVICE_CHECK:-$here/.gpu/device_check}
+TOK=${TOKENIZER:-$here/.gpu/tokenizer.json}
+WORK=${WORK:-/tmp/shoal-gpu}
+OUT=${OUT:-$WORK/out}
+mkdir -p "$WORK" "$OUT"
+for b in shoal device_check; do  # unpack what scripts/build-cuda.sh packed
+  [[ -f $here/.gpu/$b.gz && ! -x $here/.gpu/$b ]] && gunzip -c "$here/.gpu/$b.gz" > "$here/.gpu/$b" && chmod +x "$here/.gpu/$b"
+done
+for lib in /usr/local/cuda/lib64 /usr/local/cuda-13.0/targets/x86_64-linux/lib /usr/local/cuda/targets/x86_64-linux/lib; do
+  [[ -d $lib ]] && export LD_LIBRARY_PATH="$lib:${LD_LIBRARY_PATH:-}"
+done
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+fail=0
+
+model() { # model NAME SHAPE [--peaky]: a generated f16 HF dir and its Q4_K_M GGUF
+  local name=$1 shape=$2; shift 2
+  if [[ ! -f $WORK/$name-f16/config.json ]]; then
+    python3 "$here/scripts/make-random-model.py" --shape "$shape" --out "$WORK/$name-f16" --tokenizer "$TOK" "$@" || return 1
+  fi
+  if [[ ! -f $WORK/$name-q4km/model.gguf ]]; then
+    "$BIN" models quantize "$WORK/$name-f16" --type q4_k_m --out "$WORK/$name-q4km" >/dev/null || return 1
+  fi
+}
+
+fidelity() {
+  "$CHECK" fixtures "$here/tests/fixtures" --device cuda || fail=1
+  model q15 qwen2.5-1.5b --peaky || { echo "FAIL making the 1.5B model"; fail=1; return; }
+  "$CHECK" same "$WORK/q15-f16" --device cuda --tokens 16 || fail=1
+  "$CHECK" same "$WORK/q15-q4km/model.gguf" --device cuda --tokens 16 || fail=1
+}
+
+bench() { # bench [q15] [q7]: which model shapes (default both)
+  local shapes=("$@"); [[ ${#shapes[@]} -eq 0 ]] && shapes=(q15 q7)
+  local runs=()
+  for s in "${shapes[@]}"; do
+    case $s in
+      q15) model q15 qwen2.5-1.5b --peaky ;;
+      q7) model q7 qwen2.5-7b ;;
+    esac || { echo "FAIL making $s"; fail=1; return; }
+    runs+=("$s-f16" "$s-q4km")
+  done
+  : > "$OUT/bench.jsonl"
+  for m in "${runs[@]}"; do
+    "$BIN" bench --model "$WORK/$m" --device cuda --json | sed "s/^{/{\"name\":\"shoal $m\",/" >> "$OUT/bench.jsonl" || fail=1
+    case $m in *-f16) python3 "$here/scripts/bench-transformers.py" --model "$WORK/$m" | sed "s/^{/{\"name\":\"transformers $m\",/" >> "$OUT/bench.jsonl" || fail=1 ;; esac
+  done
+  python3 - "$OUT/bench.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+by = {r["name"]: r for r in rows}
+print(f"{'run':28} {'prompt tok/s':>12} {'decode tok/s':>12} {'MB/token':>9} {'roofline':>8} {'vs transformers':>16}")
+for r in rows:
+    base = by.get("transformers " + r["name"].split()[1].replace("q4km", "f16"))
+    ratio = f"{r['decode_tok_s']/base['decode_tok_s']:.2f}x / {r['prefill_tok_s']/base['prefill_tok_s']:.2f}x" if base and r is not base else ""
+    mb = f"{r['bytes_per_token']/1e6:.0f}" if "bytes_per_token" in r else ""
+    roof = f"{r['roofline_fraction']:.2f}" if "roofline_fraction" in r else ""
+    print(f"{r['name']:28} {r['prefill_tok_s']:12.1f} {r['decode_tok_s']:12.1f} {mb:>9} {roof:>8} {ratio:>16}")
+if rows and "mem_bw_bytes_s" in rows[0]:
+    print(f"device copy bandwidth (read+write): {rows[0]['mem_bw_bytes_s']/1e9:.0f} GB/s; ratios are decode / prompt vs transformers f16")
+PY
+}
+
+swarm() {
+  model q15 qwen2.5-1.5b --peaky || { fail=1; return; }
+  local m="$WORK/q15-q4km/model.gguf" prompt="Once upon a time" n=24
+  local one_gpu one_cpu
+  one_gpu=$("$BIN" run --model "$m" --device cuda --prompt "$prompt" --max-tokens $n 2>/dev/null)
+  one_cpu=$("$BIN" run --model "$m" --device cpu --prompt "$prompt" --max-tokens $n 2>/dev/null)
+  local ips=() ns=()
+  if "$here/scripts/netns.sh" up 3 mix >/dev/null 2>&1; then
+    ips=(10.77.0.1 10.77.0.2 10.77.0.3); ns=(mix-1 mix-2 mix-3); echo "network namespaces mix-1..3"
+  else
+    ips=(127.0.0.1 127.0.0.1 127.0.0.1); echo "no network namespaces here: loopback with --peer"
+  fi
+  local devices=(cuda cpu cpu) limits=(500MB 400MB 400MB) pids=()
+  for i in 0 1 2; do
+    local args=(serve --data-dir "$WORK/node$i" --model "$m" --device "${devices[$i]}" --memory-limit "${limits[$i]}" --max-queue 4)
+    if [[ ${#ns[@]} -gt 0 ]]; then
+      ip netns exec "${ns[$i]}" "$BIN" "${args[@]}" --host 0.0.0.0 > "$OUT/node$i.log" 2>&1 &
+    else
+      local peer=(); [[ $i -gt 0 ]] && peer=(--peer /ip4/127.0.0.1/tcp/53400)
+      "$BIN" "${args[@]}" --host 127.0.0.1 --api-port $((52500 + i)) --no-discovery --listen /ip4/127.0.0.1/tcp/$((53400 + i)) "${peer[@]}" > "$OUT/node$i.log" 2>&1 &
+    fi
+    pids+=($!)
+  done
+  python3 - "${ips[1]}" "$([[ ${#ns[@]} -gt 0 ]] && echo 52415 || echo 52501)" "${ns[1]:-}" "$prompt" $n "$one_gpu" "$one_cpu" "$OUT" <<'PY' || fail=1
+import json, subprocess, sys, time
+ip, port, ns, prompt, n, one_gpu, one_cpu, out = sys.argv[1:9]
+def http(path, body=None):
+    cmd = (["ip", "netns", "exec", ns] if ns else []) + ["python3", "-c",
+        "import sys,urllib.request;d=sys.argv[2].encode() if len(sys.argv)>2 else None;"
+        "r=urllib.request.urlopen(urllib.request.Request(sys.argv[1],data=d,headers={'content-type':'application/json'}),timeout=300);print(r.read().decode())",
+        f"http://{ip}:{port}{path}"] + ([json.dumps(body)] if body else [])
+    return json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=320).stdout or "null")
+deadline = time.time() + 120
+while time.time() < deadline:
+    try:
+        c = http("/v1/cluster")
+        if c and len(c.get("nodes", [])) == 3: break
+    except Exception: pass
+    time.sleep(1)
+else:
+    print("FAIL: three nodes never agreed"); sys.exit(1)
+t = time.time()
+r = http("/v1/completions", {"model": "model", "prompt": prompt, "max_tokens": int(n), "temperature": 0})
+text = r["choices"][0]["text"] if r and "choices" in r else None
+c = http("/v1/cluster")
+json.dump(c, open(f"{out}/cluster.json", "w"), indent=1)
+names = {m["id"]: (m.get("backend"), m.get("memory_available") or 0, m.get("mem_bandwidth") or 0) for m in c["nodes"]}
+for p in c.get("plans", []):
+    for s in p.get("stages", []):
+        b, mem, bw = names.get(s["node"], ("?", 0, 0))
+        print(f"stage {s['node'][-6:]} {b:7} layers {s['start']:2}..{s['end']:2} (offers {mem/1e6:.0f} MB, {bw/1e9:.0f} GB/s)")
+print(f"swarm ({time.time()-t:.1f}s): {text!r}\none GPU:    {one_gpu!r}\none CPU:    {one_cpu!r}")
+ok = text is not None and text.strip() == one_gpu.strip() == one_cpu.strip()
+print("PASS: the mixed swarm's output equals one node's" if ok else "FAIL: outputs differ")
+sys.exit(0 if ok else 1)
+PY
+  kill "${pids[@]}" 2>/dev/null; wait 2>/dev/null
+  [[ ${#ns[@]} -gt 0 ]] && "$here/scripts/netns.sh" down mix >/dev/null 2>&1
+}
+
+case "${1:-}" in
+  fidelity) fidelity ;;
+  bench) shift; bench "$@" ;;
+  swarm) swarm ;;
+  all) fidelity; bench; swarm ;;
+  *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+esac
+exit $fail
