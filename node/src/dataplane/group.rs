@@ -36,6 +36,8 @@ struct PeerLinks {
     early: Vec<Frame>,
     /// How many links to this peer failed (for tests and the cluster view).
     fallbacks: usize,
+    /// Bytes of frames sent to this peer (headers included, resends included).
+    bytes_sent: u64,
 }
 
 impl PeerLinks {
@@ -66,6 +68,7 @@ impl PeerLinks {
     fn send(&mut self, frame: Frame) -> Result<(), AllReduceError> {
         let seq = frame.seq;
         self.retained.retain(|f| f.seq + 1 >= seq);
+        self.bytes_sent += (Frame::HEADER_BYTES + frame.data.len() * 4) as u64;
         self.retained.push(frame);
         let frame = self.retained.last().expect("just pushed");
         let result = self.links.front_mut().map(|l| l.send(frame));
@@ -107,7 +110,7 @@ impl LinkGroup {
             } else if l.is_empty() {
                 return Err(AllReduceError::Broken(format!("no link to member {peer}")));
             } else {
-                peers.push(Some(PeerLinks { peer, links: l.into(), retained: Vec::new(), early: Vec::new(), fallbacks: 0 }));
+                peers.push(Some(PeerLinks { peer, links: l.into(), retained: Vec::new(), early: Vec::new(), fallbacks: 0, bytes_sent: 0 }));
             }
         }
         Ok(LinkGroup { rank, size, deadline, inner: Mutex::new(Inner { seq: 0, peers }) })
@@ -131,6 +134,12 @@ impl LinkGroup {
     pub fn fallbacks(&self) -> usize {
         let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         inner.peers.iter().flatten().map(|p| p.fallbacks).sum()
+    }
+
+    /// Bytes this member has sent to all peers.
+    pub fn bytes_sent(&self) -> u64 {
+        let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        inner.peers.iter().flatten().map(|p| p.bytes_sent).sum()
     }
 
     /// Closes the active link to `peer` as a failure would (the peer sees it closed too); the

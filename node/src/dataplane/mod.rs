@@ -8,6 +8,7 @@
 //! RDMA verbs are not implemented: `Transport::Rdma` exists only so that offers from a future
 //! build rank correctly; this build never offers it.
 
+pub mod connect;
 pub mod group;
 pub mod local;
 pub mod negotiate;

@@ -58,15 +58,17 @@ pub fn negotiate(local: &Offer, remote: &Offer) -> Vec<Transport> {
     common
 }
 
-/// This machine's identity for the current boot: `/etc/machine-id` and the kernel's boot id on
-/// Linux (two containers sharing a kernel but not /dev/shm differ by machine id), else the
-/// host name. Empty when nothing can be read, which disables shared memory.
+/// Which processes can share memory: on Linux `/etc/machine-id`, the kernel's boot id and the
+/// mount namespace (processes that see different /dev/shm mounts, such as containers or
+/// `ip netns exec` shells, differ), else the host name. Empty when nothing can be read, which
+/// disables shared memory.
 pub fn host_id() -> String {
     let read = |p: &str| std::fs::read_to_string(p).map(|s| s.trim().to_string()).unwrap_or_default();
     let machine = read("/etc/machine-id");
     let boot = read("/proc/sys/kernel/random/boot_id");
     if !machine.is_empty() || !boot.is_empty() {
-        return format!("{machine}/{boot}");
+        let mnt = std::fs::read_link("/proc/self/ns/mnt").map(|p| p.display().to_string()).unwrap_or_default();
+        return format!("{machine}/{boot}/{mnt}");
     }
     std::env::var("HOSTNAME").unwrap_or_default()
 }

@@ -276,28 +276,29 @@ impl Link for ShmLink {
     }
 }
 
-/// Spins, then yields, then sleeps in 50 µs steps until `limit` has passed.
+/// Spins for 50 µs, then yields until 2 ms, then sleeps in 20 µs steps, until `limit` has passed.
 struct Waiter {
     started: Instant,
     limit: Duration,
-    spins: u32,
 }
 
 impl Waiter {
     fn new(limit: Duration) -> Waiter {
-        Waiter { started: Instant::now(), limit, spins: 0 }
+        Waiter { started: Instant::now(), limit }
     }
 
     /// Waits a little; false once the limit has passed.
     fn wait(&mut self) -> bool {
-        self.spins += 1;
-        if self.spins < 256 {
-            std::hint::spin_loop();
-        } else if self.started.elapsed() < Duration::from_micros(200) {
+        let elapsed = self.started.elapsed();
+        if elapsed < Duration::from_micros(50) {
+            for _ in 0..64 {
+                std::hint::spin_loop();
+            }
+        } else if elapsed < Duration::from_millis(2) {
             std::thread::yield_now();
         } else {
-            std::thread::sleep(Duration::from_micros(50));
+            std::thread::sleep(Duration::from_micros(20));
         }
-        self.started.elapsed() < self.limit
+        elapsed < self.limit
     }
 }
