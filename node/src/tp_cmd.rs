@@ -11,6 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use candle_core::Device;
+use shoal::cluster::cost;
+use shoal::cluster::ModelFootprint;
 use shoal::dataplane::connect::{join, Invite, Inviter};
 use shoal::dataplane::negotiate::local_offer;
 use shoal::dataplane::{Link, LinkGroup, Transport};
@@ -81,6 +83,18 @@ pub fn run(args: TpMemberArgs) -> anyhow::Result<()> {
     if let Some(values) = args.allreduce_values {
         return time_allreduce(&group, values, args.iterations);
     }
+    // The cost model's inputs, measured here: this member's memory bandwidth with its threads
+    // and the data plane's one-value all-reduce (half a round trip).
+    let mem_bw = shoal::engine::bench::read_bandwidth(threads, 256 << 20, Duration::from_millis(300));
+    let mut hops = Vec::new();
+    for _ in 0..if args.size > 1 { 50 } else { 0 } {
+        let mut one = [0f32];
+        let t = Instant::now();
+        group.all_reduce(&mut one)?;
+        hops.push(t.elapsed().as_secs_f64());
+    }
+    hops.sort_by(f64::total_cmp);
+    let rtt_s = hops.get(hops.len() / 2).map_or(0.0, |h| 2.0 * h);
     let model = args.model.as_deref().context("--model is needed")?;
     let source = ModelSource::open(model).with_context(|| format!("opening {}", model.display()))?;
     let range = LayerRange::full(source.spec.num_layers);
@@ -90,6 +104,12 @@ pub fn run(args: TpMemberArgs) -> anyhow::Result<()> {
         let member = TpMember { slice: TpSlice { rank: args.rank, size: args.size }, reduce: group.clone() };
         Shard::load_tp(&source.weights, &source.spec, range, &Device::Cpu, Some(member))?
     };
+    let (bytes_per_layer, embedding_bytes, head_bytes) = source.footprint_bytes();
+    let footprint = ModelFootprint { model: source.name(), layers: source.spec.num_layers, bytes_per_layer, embedding_bytes, head_bytes };
+    let speed = cost::Speed { node: String::new(), mem_bandwidth: mem_bw, flops: f64::MAX, memory_offered: u64::MAX };
+    let speeds: Vec<&cost::Speed> = (0..args.size).map(|_| &speed).collect();
+    let link = cost::LinkCost { rtt_s, bytes_per_s: 5e9 };
+    let predicted_tok_s = cost::predict_stages(&footprint, &[(speeds, source.spec.num_layers)], link).0;
     let prompt: Vec<u32> = args.prompt_ids.split(',').map(|s| s.trim().parse()).collect::<Result<_, _>>().context("--prompt-ids")?;
     let mut cache = shard.new_cache();
     let mut input = prompt.clone();
@@ -124,6 +144,9 @@ pub fn run(args: TpMemberArgs) -> anyhow::Result<()> {
         "fallbacks": group.fallbacks(),
         "bytes_sent": group.bytes_sent(),
         "hidden": source.spec.hidden_size,
+        "predicted_tok_s": predicted_tok_s,
+        "mem_bw": mem_bw,
+        "dataplane_rtt_us": rtt_s * 1e6,
         "layers": source.spec.num_layers,
     });
     println!("{out}");
