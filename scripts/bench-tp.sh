@@ -64,7 +64,8 @@ r0 = min(rows, key=lambda r: r["rank"])
 assert all(r["tokens"] == r0["tokens"] for r in rows), "members disagree"
 steps = len(r0["tokens"])
 tr = ",".join(sorted({t[1] for t in r0["transports"]})) or "-"
-print(f"{min(r[\"decode_tok_s\"] for r in rows):.2f} {r0[\"bytes_sent\"] // max(steps, 1)} {r0[\"predicted_tok_s\"]:.2f} {tr} {r0[\"fallbacks\"]}")')
+tps = min(r["decode_tok_s"] for r in rows)
+print("%.2f %d %.2f %s %d" % (tps, r0["bytes_sent"] // max(steps, 1), r0["predicted_tok_s"], tr, r0["fallbacks"]))')
   [ -z "$base" ] && base=$tps
   printf "%-8s %12s %10s %14s %14s %10s %8s\n" "$n" "$tps" "$(python3 -c "print(f'{$tps / $base:.2f}x')")" "$bpt" "$pred" "$tr" "$fb"
 done
