@@ -623,6 +623,7 @@
           stages.map((s) => h('span', { class: 'c' + (colour.has(s.node) ? colour.get(s.node) : 0), style: { flexGrow: String(Math.max(1, s.end - s.start)) }, title: nameOf(s.node) + ': ' + s.start + '–' + (s.end - 1) }, String(s.end - s.start)))),
         h('div', { class: 'kv' }, stages.map((s, i) => [i ? ' → ' : '', nameOf(s.node) + ' [' + s.start + ', ' + s.end + ')'])),
         h('div', { class: 'kv', 'data-testid': 'plan-tps' }, 'predicted ' + fmtTps(p.predicted_tok_s) + ' · measured ' + fmtTps(p.measured_tok_s)),
+        (p.predictions || []).length ? h('div', { class: 'kv muted', 'data-testid': 'plan-predictions' }, 'cost model: ' + p.predictions.map((x) => x.strategy + (x.group > 1 ? ' ×' + x.group : '') + ' ' + fmtTps(x.tok_s) + (x.fits ? '' : ' (does not fit)')).join(' · ')) : null,
         layers ? null : h('div', { class: 'kv muted' }, 'no stages'));
     }) : [h('p', { class: 'muted' }, 'No model placed.')]));
 

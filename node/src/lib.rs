@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod cluster;
+pub mod dataplane;
 pub mod engine;
 pub mod identity;
 pub mod models;

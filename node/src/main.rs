@@ -16,6 +16,7 @@ use shoal::engine::{GenerationEvent, GenerationRequest, LoadOptions, LoadedModel
 use tokio_util::sync::CancellationToken;
 
 mod models_cmd;
+mod tp_cmd;
 
 #[derive(Parser)]
 #[command(name = "shoal", version, about = "peer-to-peer LLM inference swarm")]
@@ -41,6 +42,9 @@ enum Command {
     Bench(BenchArgs),
     /// List, pull, remove and import models; share them with peers.
     Models(models_cmd::ModelsArgs),
+    /// One member of a tensor-parallel group as a process (tests and benchmarks).
+    #[command(hide = true)]
+    TpMember(tp_cmd::TpMemberArgs),
 }
 
 #[derive(clap::Args)]
@@ -166,6 +170,7 @@ fn main() -> std::process::ExitCode {
         Some(Command::Serve(args)) => serve(args, cli.data_dir),
         Some(Command::Models(args)) => data_dir(cli.data_dir).and_then(|d| models_cmd::run(args, &d)),
         Some(Command::Bench(args)) => bench(args),
+        Some(Command::TpMember(args)) => tp_cmd::run(args),
         None => serve(cli.serve, cli.data_dir),
     };
     match result {

@@ -1,6 +1,6 @@
 //! What this node says about itself and its swarm: `/v1/models` (loaded and local models, and
 //! whether each fits the memory offered), `/v1/models/load`, `/v1/cluster` (every member, the
-//! leader and epoch, the plan's stages, link RTTs, load progress, placement errors, this
+//! leader and epoch, the plan's stages with the cost model's predictions, link RTTs, load progress, placement errors, this
 //! node's downloads) and `/health`. Memory comes from the OS, capped by `--memory-limit`.
 //! It holds no state of its own: it reads the scheduler's published view, the swarm's
 //! snapshot and the download progress registry.
@@ -16,6 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
+use crate::cluster::cost;
 use crate::models::LocalModel;
 use super::error::ApiError;
 use super::scheduler::SchedulerState;
@@ -180,14 +181,29 @@ pub async fn cluster(State(app): State<Arc<App>>) -> Json<Value> {
         .collect();
     let links: Vec<Value> = snapshot.rtt_ms.iter().map(|(peer, rtt)| json!({"from": me, "to": peer, "rtt_ms": rtt})).collect();
     let epoch = snapshot.plan.as_ref().map_or(0, |p| p.epoch.round);
+    // The cost model's inputs: measured speeds from adverts, our median ping RTT to peers.
+    let speeds: Vec<cost::Speed> = snapshot.members.iter().map(|m| cost::Speed { node: m.id.clone(), mem_bandwidth: m.mem_bandwidth, flops: m.flops, memory_offered: m.memory_offered }).collect();
+    let mut rtts: Vec<f64> = snapshot.rtt_ms.values().copied().collect();
+    rtts.sort_by(f64::total_cmp);
+    let link = rtts.get(rtts.len() / 2).map_or(cost::LinkCost::LAN, |ms| cost::LinkCost { rtt_s: ms / 1e3, ..cost::LinkCost::LAN });
+    let footprint = |model: &str| snapshot.members.iter().flat_map(|m| m.wants.iter()).find(|w| w.model == model).cloned();
     let plans: Vec<Value> = placements
         .iter()
         .filter_map(|(model, p)| p.as_ref().ok().map(|p| (model, p)))
         .map(|(model, p)| {
             let measured = state.loaded.as_ref().filter(|l| &l.model.id == model).and(state.last_decode_tok_s);
+            let (predicted, predictions) = match footprint(model) {
+                Some(f) => {
+                    let stages: Option<Vec<(Vec<&cost::Speed>, usize)>> = p.stages.iter().map(|s| speeds.iter().find(|x| x.node == s.node).map(|x| (vec![x], s.end - s.start))).collect();
+                    let predicted = stages.map(|st| cost::predict_stages(&f, &st, link).0);
+                    let holders: Vec<cost::Speed> = speeds.iter().filter(|s| snapshot.members.iter().any(|m| m.id == s.node && m.models.iter().any(|x| x == model))).cloned().collect();
+                    (predicted, cost::predict_all(&f, &holders, link))
+                }
+                None => (None, Vec::new()),
+            };
             json!({
                 "model": model, "epoch": epoch, "strategy": p.strategy,
-                "predicted_tok_s": null, "measured_tok_s": measured,
+                "predicted_tok_s": predicted, "measured_tok_s": measured, "predictions": predictions,
                 "stages": p.stages.iter().map(|s| json!({"node": s.node, "start": s.start, "end": s.end})).collect::<Vec<_>>(),
             })
         })

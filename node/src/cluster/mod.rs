@@ -3,6 +3,7 @@
 //! clocks (time is an input), no libp2p, tokio or candle: the `net` layer feeds inputs and
 //! carries outputs, and a seeded simulator drives the same code in tests.
 
+pub mod cost;
 pub mod placement;
 pub mod state;
 

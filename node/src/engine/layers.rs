@@ -2,13 +2,16 @@
 //! attention with an optional sliding window, the gated MLP and the decoder layer.
 //! Blocks are built from a `ModelSpec` and a `Weights` source; they hold no KV state.
 
+use std::ops::Range;
+
 use candle_core::{Device, Module, Tensor};
 
 use super::cache::LayerCache;
 use super::spec::{Activation, ModelSpec, Rope, RopeStyle};
 use super::kernels::{self, QMatMulOp};
+use super::tp::{AllReduce, RankParts};
 use super::weights::{Matrix, Role, Weights};
-use super::Result;
+use super::{EngineError, Result};
 
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
@@ -45,6 +48,21 @@ impl Linear {
     pub fn load(w: &Weights, role: Role, bias: Option<Role>, layer: usize, device: &Device) -> Result<Self> {
         let weight = w.matmul(role, layer, device)?;
         let bias = bias.map(|b| w.vector(b, layer, device)).transpose()?;
+        Ok(Linear { weight, bias })
+    }
+
+    /// Rows `rows` (column-parallel) or input columns `cols` (row-parallel) of a linear layer;
+    /// the bias, if any, is cut to the same rows.
+    pub fn load_part(w: &Weights, role: Role, bias: Option<Role>, layer: usize, rows: Option<Range<usize>>, cols: Option<Range<usize>>, device: &Device) -> Result<Self> {
+        if rows.is_none() && cols.is_none() {
+            return Linear::load(w, role, bias, layer, device);
+        }
+        let weight = w.matmul_part(role, layer, rows.clone(), cols, device)?;
+        let bias = match (bias, rows) {
+            (Some(b), Some(r)) => Some(w.vector_part(b, layer, r, device)?),
+            (Some(b), None) => Some(w.vector(b, layer, device)?),
+            (None, _) => None,
+        };
         Ok(Linear { weight, bias })
     }
 
@@ -169,8 +187,12 @@ pub struct Attention {
     o: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
+    /// Query and KV heads this node runs (all of them, or a tensor-parallel slice's).
     num_heads: usize,
     num_kv_heads: usize,
+    /// For a slice whose query heads do not share their KV heads evenly: the local KV head of
+    /// each local query head, to expand the KV history with (`None`: fold heads, no copy).
+    kv_of_head: Option<Tensor>,
     head_dim: usize,
     scale: f64,
     softcap: Option<f64>,
@@ -181,25 +203,57 @@ pub struct Attention {
 }
 
 impl Attention {
-    pub fn load(w: &Weights, spec: &ModelSpec, layer: usize, device: &Device) -> Result<Self> {
+    /// All heads, or with `part` only its query heads, the KV heads they read and o_proj's
+    /// matching input columns.
+    pub fn load(w: &Weights, spec: &ModelSpec, layer: usize, part: Option<&RankParts>, device: &Device) -> Result<Self> {
         let bias = |r| if spec.qkv_bias { Some(r) } else { None };
         let norm = |r| -> Result<Option<RmsNorm>> {
             if spec.qk_norm { Ok(Some(RmsNorm::load(w, r, layer, spec, device)?)) } else { Ok(None) }
         };
-        let mut q = Linear::load(w, Role::Q, bias(Role::QBias), layer, device)?;
-        let mut k = Linear::load(w, Role::K, bias(Role::KBias), layer, device)?;
-        let mut v = Linear::load(w, Role::V, bias(Role::VBias), layer, device)?;
+        let d = spec.head_dim;
+        let (q, k, v, o, num_heads, num_kv_heads, kv_of_head) = match part {
+            None => (
+                Linear::load(w, Role::Q, bias(Role::QBias), layer, device)?,
+                Linear::load(w, Role::K, bias(Role::KBias), layer, device)?,
+                Linear::load(w, Role::V, bias(Role::VBias), layer, device)?,
+                Linear::load(w, Role::O, None, layer, device)?,
+                spec.num_heads,
+                spec.num_kv_heads,
+                None,
+            ),
+            Some(p) => {
+                let (h, kv) = (&p.heads, &p.kv_heads);
+                let rows = |r: &Range<usize>| Some(r.start * d..r.end * d);
+                let rep = spec.num_heads / spec.num_kv_heads.max(1);
+                // The local KV head of each local query head; folding needs each KV head to serve
+                // the same number of consecutive query heads.
+                let map: Vec<u32> = h.clone().map(|q| (q / rep - kv.start) as u32).collect();
+                let even = map.len() % kv.len() == 0 && map.iter().enumerate().all(|(i, &k)| k as usize == i / (map.len() / kv.len()));
+                let kv_of_head = if even { None } else { Some(Tensor::new(map, device)?) };
+                (
+                    Linear::load_part(w, Role::Q, bias(Role::QBias), layer, rows(h), None, device)?,
+                    Linear::load_part(w, Role::K, bias(Role::KBias), layer, rows(kv), None, device)?,
+                    Linear::load_part(w, Role::V, bias(Role::VBias), layer, rows(kv), None, device)?,
+                    Linear::load_part(w, Role::O, None, layer, None, rows(h), device)?,
+                    h.len(),
+                    kv.len(),
+                    kv_of_head,
+                )
+            }
+        };
+        let (mut q, mut k, mut v) = (q, k, v);
         let qkv = Linear::fuse(&mut [&mut q, &mut k, &mut v])?;
         Ok(Attention {
             q,
             k,
             v,
             qkv,
-            o: Linear::load(w, Role::O, None, layer, device)?,
+            o,
             q_norm: norm(Role::QNorm)?,
             k_norm: norm(Role::KNorm)?,
-            num_heads: spec.num_heads,
-            num_kv_heads: spec.num_kv_heads,
+            num_heads,
+            num_kv_heads,
+            kv_of_head,
             head_dim: spec.head_dim,
             scale: spec.attention_scale,
             softcap: spec.attn_logit_softcap,
@@ -246,10 +300,17 @@ impl Attention {
         if x.device().is_cpu() {
             (k_all, v_all) = (k_all.contiguous()?, v_all.contiguous()?);
         }
+        let mut kv_heads = self.num_kv_heads;
+        if let Some(map) = &self.kv_of_head {
+            // An uneven tensor-parallel slice: one KV head per query head, copied.
+            k_all = k_all.index_select(map, 1)?;
+            v_all = v_all.index_select(map, 1)?;
+            kv_heads = self.num_heads;
+        }
         // Grouped-query attention without copying KV: the heads sharing a KV head are
         // consecutive, so fold them into the query-length axis.
-        let rep = self.num_heads / self.num_kv_heads;
-        let q = q.reshape((b, self.num_kv_heads, rep * t, self.head_dim))?;
+        let rep = self.num_heads / kv_heads;
+        let q = q.reshape((b, kv_heads, rep * t, self.head_dim))?;
         let mut scores = (q.matmul(&k_all.t()?)? * self.scale)?;
         if let Some(cap) = self.softcap {
             scores = ((scores / cap)?.tanh()? * cap)?;
@@ -257,9 +318,9 @@ impl Attention {
         if let Some(mask) = attention_mask(start, t, first_key, keys, self.window, x.device())? {
             let mask = mask.to_dtype(scores.dtype())?;
             scores = scores
-                .reshape((b, self.num_kv_heads, rep, t, keys))?
+                .reshape((b, kv_heads, rep, t, keys))?
                 .broadcast_add(&mask)?
-                .reshape((b, self.num_kv_heads, rep * t, keys))?;
+                .reshape((b, kv_heads, rep * t, keys))?;
         }
         let probs = candle_nn::ops::softmax_last_dim(&scores)?;
         let out = probs.matmul(&v_all)?; // (b, kv_heads, rep * t, head_dim)
@@ -299,11 +360,12 @@ pub struct Mlp {
 }
 
 impl Mlp {
-    pub fn load(w: &Weights, spec: &ModelSpec, layer: usize, device: &Device) -> Result<Self> {
-        let mut gate = Linear::load(w, Role::Gate, None, layer, device)?;
-        let mut up = Linear::load(w, Role::Up, None, layer, device)?;
+    /// The whole MLP, or with `ffn` only those intermediate columns (gate/up rows, down's input columns).
+    pub fn load(w: &Weights, spec: &ModelSpec, layer: usize, ffn: Option<Range<usize>>, device: &Device) -> Result<Self> {
+        let mut gate = Linear::load_part(w, Role::Gate, None, layer, ffn.clone(), None, device)?;
+        let mut up = Linear::load_part(w, Role::Up, None, layer, ffn.clone(), None, device)?;
         let gate_up = Linear::fuse(&mut [&mut gate, &mut up])?;
-        Ok(Mlp { gate, up, down: Linear::load(w, Role::Down, None, layer, device)?, activation: spec.activation, gate_up })
+        Ok(Mlp { gate, up, down: Linear::load_part(w, Role::Down, None, layer, None, ffn, device)?, activation: spec.activation, gate_up })
     }
 
     pub fn weight_bytes(&self) -> u64 {
@@ -337,16 +399,17 @@ pub struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    pub fn load(w: &Weights, spec: &ModelSpec, layer: usize, device: &Device) -> Result<Self> {
+    /// The whole layer, or with `part` one tensor-parallel member's slice of it.
+    pub fn load(w: &Weights, spec: &ModelSpec, layer: usize, part: Option<&RankParts>, device: &Device) -> Result<Self> {
         let sandwich = |r| -> Result<Option<RmsNorm>> {
             if spec.sandwich_norms { Ok(Some(RmsNorm::load(w, r, layer, spec, device)?)) } else { Ok(None) }
         };
         Ok(DecoderLayer {
             attn_norm: RmsNorm::load(w, Role::AttnNorm, layer, spec, device)?,
-            attn: Attention::load(w, spec, layer, device)?,
+            attn: Attention::load(w, spec, layer, part, device)?,
             post_attn_norm: sandwich(Role::PostAttnNorm)?,
             ffn_norm: RmsNorm::load(w, Role::FfnNorm, layer, spec, device)?,
-            mlp: Mlp::load(w, spec, layer, device)?,
+            mlp: Mlp::load(w, spec, layer, part.map(|p| p.ffn.clone()), device)?,
             post_ffn_norm: sandwich(Role::PostFfnNorm)?,
             rope: spec.rope_for_layer(layer).clone(),
             head_dim: spec.head_dim,
@@ -363,13 +426,15 @@ impl DecoderLayer {
         &self.rope
     }
 
-    pub fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cache: &mut LayerCache) -> Result<Tensor> {
-        let mut h = self.attn.forward(&self.attn_norm.forward(x)?, cos, sin, cache)?;
+    /// `reduce` joins a tensor-parallel slice's partial sums (after o_proj and after down_proj)
+    /// with its group's; `None` for a whole layer.
+    pub fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cache: &mut LayerCache, reduce: Option<&dyn AllReduce>) -> Result<Tensor> {
+        let mut h = all_reduce(self.attn.forward(&self.attn_norm.forward(x)?, cos, sin, cache)?, reduce)?;
         if let Some(n) = &self.post_attn_norm {
             h = n.forward(&h)?;
         }
         let x = (x + h)?;
-        let mut h = self.mlp.forward(&self.ffn_norm.forward(&x)?)?;
+        let mut h = all_reduce(self.mlp.forward(&self.ffn_norm.forward(&x)?)?, reduce)?;
         if let Some(n) = &self.post_ffn_norm {
             h = n.forward(&h)?;
         }
@@ -379,4 +444,13 @@ impl DecoderLayer {
     pub fn head_dim(&self) -> usize {
         self.head_dim
     }
+}
+
+/// Sums a row-parallel output over the group (a blocking call into the data plane).
+fn all_reduce(h: Tensor, reduce: Option<&dyn AllReduce>) -> Result<Tensor> {
+    let Some(reduce) = reduce else { return Ok(h) };
+    let (shape, device) = (h.shape().clone(), h.device().clone());
+    let mut buf = h.flatten_all()?.to_vec1::<f32>()?;
+    reduce.all_reduce(&mut buf).map_err(|e| EngineError::Shard(e.to_string()))?;
+    Ok(Tensor::from_vec(buf, shape, &device)?)
 }

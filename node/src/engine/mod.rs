@@ -21,7 +21,9 @@ pub mod spec;
 pub mod stage;
 pub mod stage_host;
 pub mod text;
+pub mod tp;
 pub mod weights;
+mod weights_part;
 
 pub use generate::{FinishReason, GenerationEvent, GenerationRequest, Usage};
 pub use model::{LoadOptions, LoadedModel};

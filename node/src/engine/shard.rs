@@ -2,12 +2,15 @@
 //! The first shard owns the token embedding, the last the final norm and LM head; a shard
 //! loads only its own tensors. It turns tokens or hidden states into hidden states or logits
 //! and keeps no per-sequence state of its own (that lives in `ShardCache`).
+//! A shard may also be one member's tensor-parallel slice of its layers (`tp::TpMember`):
+//! it then loads only its slices, and its layers all-reduce their partial sums with the group.
 
 use candle_core::{DType, Device, Tensor, D};
 
 use super::cache::ShardCache;
 use super::layers::{rope_tables, DecoderLayer, Linear, RmsNorm};
 use super::spec::ModelSpec;
+use super::tp::{TpLayout, TpMember};
 use super::weights::{EmbeddingTable, Role, Weights};
 use super::{EngineError, Result};
 
@@ -63,10 +66,27 @@ pub struct Shard {
     /// Activations inside the shard (f32 on the CPU; the checkpoint's half type on a GPU).
     /// Hidden states and logits leave the shard as f32 whatever this is.
     dtype: DType,
+    /// This shard's tensor-parallel group, when it holds a slice of its layers.
+    tp: Option<TpMember>,
 }
 
 impl Shard {
     pub fn load(weights: &Weights, spec: &ModelSpec, range: LayerRange, device: &Device) -> Result<Self> {
+        Shard::load_tp(weights, spec, range, device, None)
+    }
+
+    /// Like `load`, but with `tp` only that member's slice of each layer (embedding, final norm
+    /// and LM head are replicated); the split is `TpLayout::of`, whose error names why a model
+    /// cannot be split that many ways.
+    pub fn load_tp(weights: &Weights, spec: &ModelSpec, range: LayerRange, device: &Device, tp: Option<TpMember>) -> Result<Self> {
+        let layout = match &tp {
+            Some(m) => Some(TpLayout::of(weights, spec, m.slice.size)?),
+            None => None,
+        };
+        let part = match (&layout, &tp) {
+            (Some(l), Some(m)) => Some(l.part(m.slice)?.clone()),
+            _ => None,
+        };
         if range.is_empty() || range.end > spec.num_layers {
             return Err(EngineError::Shard(format!("layer range {range} is not inside the model's {} layers", spec.num_layers)));
         }
@@ -79,7 +99,7 @@ impl Shard {
                 return Err(EngineError::InvalidModel(format!("embedding has {} rows for a vocabulary of {}", e.rows(), spec.vocab_size)));
             }
         }
-        let layers = (range.start..range.end).map(|i| DecoderLayer::load(weights, spec, i, device)).collect::<Result<Vec<_>>>()?;
+        let layers = (range.start..range.end).map(|i| DecoderLayer::load(weights, spec, i, part.as_ref(), device)).collect::<Result<Vec<_>>>()?;
         let (final_norm, lm_head) = if is_last {
             let head = match (&embed, tied) {
                 (Some(e), true) => Linear::from_matmul(e.as_matmul()),
@@ -90,7 +110,7 @@ impl Shard {
             (None, None)
         };
         let dtype = weights.compute_dtype(device);
-        Ok(Shard { spec: spec.clone(), range, embed: if is_first { embed } else { None }, layers, final_norm, lm_head, device: device.clone(), dtype })
+        Ok(Shard { spec: spec.clone(), range, embed: if is_first { embed } else { None }, layers, final_norm, lm_head, device: device.clone(), dtype, tp })
     }
 
     pub fn is_first(&self) -> bool {
@@ -99,6 +119,11 @@ impl Shard {
 
     pub fn is_last(&self) -> bool {
         self.range.end == self.spec.num_layers
+    }
+
+    /// This shard's tensor-parallel group, if it is a slice.
+    pub fn tp(&self) -> Option<&TpMember> {
+        self.tp.as_ref()
     }
 
     pub fn device(&self) -> &Device {
@@ -158,7 +183,7 @@ impl Shard {
                 }
             };
             let (cos, sin) = &tables[idx].1;
-            x = layer.forward(&x, cos, sin, layer_cache)?;
+            x = layer.forward(&x, cos, sin, layer_cache, self.tp.as_ref().map(|m| &*m.reduce))?;
         }
         match (&self.final_norm, &self.lm_head) {
             (Some(norm), Some(head)) => {

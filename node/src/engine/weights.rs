@@ -59,7 +59,7 @@ pub fn own_kernels() -> bool {
 }
 
 impl Matrix {
-    fn from_qtensor(q: QTensor, device: &Device) -> Result<Matrix> {
+    pub(super) fn from_qtensor(q: QTensor, device: &Device) -> Result<Matrix> {
         if device.is_cpu() && own_kernels() {
             if let Some(m) = QMatrix::from_qtensor(&q).map_err(|e| EngineError::InvalidModel(e.to_string()))? {
                 return Ok(Matrix::Packed(Arc::new(m)));
@@ -266,7 +266,7 @@ impl Weights {
         }
     }
 
-    fn read_dense(&self, name: &str, device: &Device) -> Result<Tensor> {
+    pub(super) fn read_dense(&self, name: &str, device: &Device) -> Result<Tensor> {
         match self {
             Weights::Safetensors { st, .. } => {
                 let view = st.get(name).map_err(|_| EngineError::MissingTensor(name.to_string()))?;
@@ -377,7 +377,7 @@ pub fn gguf_name(role: Role, layer: usize) -> String {
     }
 }
 
-fn open(path: &Path) -> Result<File> {
+pub(super) fn open(path: &Path) -> Result<File> {
     File::open(path).map_err(|e| match e.kind() {
         std::io::ErrorKind::NotFound => EngineError::MissingFile { path: path.to_path_buf() },
         _ => EngineError::Io { path: path.to_path_buf(), source: e },
