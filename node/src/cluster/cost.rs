@@ -148,7 +148,7 @@ mod tests {
     }
 
     fn seven_b() -> ModelFootprint {
-        ModelFootprint { model: "7b".into(), layers: 28, bytes_per_layer: 233 << 20, embedding_bytes: 545 << 20, head_bytes: 545 << 20 }
+        ModelFootprint { model: "7b".into(), layers: 28, bytes_per_layer: 233 << 20, embedding_bytes: 545 << 20, head_bytes: 545 << 20, ..Default::default() }
     }
 
     #[test]

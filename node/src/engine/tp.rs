@@ -111,6 +111,15 @@ impl TpShape {
         Ok(TpShape { num_heads: spec.num_heads, num_kv_heads: spec.num_kv_heads, head_dim: spec.head_dim, intermediate, head_granule, ffn_granule: down_block })
     }
 
+    /// Block-aligned head groups and MLP blocks: the most members each allows (0 when the
+    /// model cannot be split at all), for placement to check before anything loads.
+    pub fn units(&self) -> (usize, usize) {
+        if self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 || self.num_heads % self.head_granule.max(1) != 0 || self.intermediate % self.ffn_granule.max(1) != 0 {
+            return (0, 0);
+        }
+        (self.num_heads / self.head_granule.max(1), self.intermediate / self.ffn_granule.max(1))
+    }
+
     /// The split over `size` members, or why there is none.
     pub fn layout(&self, size: usize) -> std::result::Result<TpLayout, String> {
         if size == 0 {
