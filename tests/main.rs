@@ -39,6 +39,7 @@ mod real_models;
 mod sharding;
 mod simulator;
 mod netns;
+mod serve_tp;
 mod swarm;
 mod tensor_parallel;
 mod transports;

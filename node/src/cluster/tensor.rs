@@ -304,7 +304,8 @@ mod tests {
         assert_eq!(p.stages.len(), 2);
         assert!(p.stages.iter().all(|s| s.tp_size() == 2));
         assert_eq!((p.stages[0].end, p.stages[1].start, p.stages[1].end), (14, 14, 28));
-        let e = place_choice(&seven_b(Some(Strategy::Single)), &four).unwrap_err();
+        let small = [cap("a", 4, 20.0), cap("b", 4, 20.0), cap("c", 4, 20.0), cap("d", 4, 20.0)];
+        let e = place_choice(&seven_b(Some(Strategy::Single)), &small).unwrap_err();
         assert!(e.to_string().contains("strategy single"), "{e}");
         let p = place_choice(&seven_b(Some(Strategy::Pipeline)), &four).unwrap();
         assert_eq!(p.strategy, Strategy::Pipeline);
