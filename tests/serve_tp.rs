@@ -2,7 +2,9 @@
 //! pinned to `--strategy tensor` place a model as one group of two, set up their data plane
 //! over the control plane (shared memory on this host), and serve a greedy completion equal to
 //! one node's; `/v1/cluster` shows the group and the cost model's prediction beside the
-//! measurement. A pinned strategy the swarm cannot honour is a clear error, not a hang.
+//! measurement. A pinned strategy the swarm cannot honour is a clear error, not a hang. With
+//! only the libp2p stream offered (`--dataplane libp2p`), frames travel as control RPCs and the
+//! text is the same.
 
 use std::time::{Duration, Instant};
 
@@ -76,5 +78,34 @@ fn a_pinned_tensor_group_of_two_serve_processes_equals_one_node() {
         let log = node.stderr();
         let formed = log.lines().find(|l| l.contains("group_formed")).unwrap_or_else(|| panic!("no group_formed event:\n{log}"));
         assert!(formed.contains("Shm"), "shared memory is the group's first transport on one host: {formed}");
+    }
+}
+
+#[test]
+fn a_tensor_group_whose_only_common_transport_is_the_libp2p_stream_still_equals_one_node() {
+    std::env::set_var("SHOAL_LOG", "warn,shoal::dataplane=info");
+    // A prompt without near-ties (see tensor_parallel's Gemma test for one with a tie).
+    let prompt = "The three primary colours are";
+    let single = Node::start(&["serve"]);
+    let (status, want) = complete(&single, prompt, 16);
+    assert_eq!(status, 200, "{want}");
+    drop(single);
+
+    let a = Node::start(&["serve", "--strategy", "tensor", "--dataplane", "libp2p"]);
+    let b = Node::start(&["serve", "--strategy", "tensor", "--dataplane", "libp2p", "--peer", &swarm_addr(&a)]);
+    let started = Instant::now();
+    let got = loop {
+        let (status, got) = complete(&a, prompt, 16);
+        if status == 200 {
+            break got;
+        }
+        assert!(started.elapsed() < Duration::from_secs(120), "no tensor-parallel completion: {got}\nA:\n{}\nB:\n{}", a.stderr(), b.stderr());
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert_eq!(got["choices"][0]["text"], want["choices"][0]["text"], "frames over the control plane's stream give one node's greedy text");
+    for node in [&a, &b] {
+        let log = node.stderr();
+        let formed = log.lines().find(|l| l.contains("group_formed")).unwrap_or_else(|| panic!("no group_formed event:\n{log}"));
+        assert!(formed.contains("Libp2p") && !formed.contains("Shm") && !formed.contains("Tcp"), "only the libp2p stream was offered: {formed}");
     }
 }

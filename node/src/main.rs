@@ -120,6 +120,20 @@ struct ServeArgs {
     /// pipeline, tensor or hybrid; a pinned strategy that cannot place the model is an error.
     #[arg(long, default_value = "auto", value_parser = parse_strategy)]
     strategy: StrategyArg,
+    /// Offer only these data-plane transports to tensor-group peers (shm, tcp, libp2p), for tests.
+    #[arg(long, hide = true, value_delimiter = ',', value_parser = parse_transport)]
+    dataplane: Vec<shoal::dataplane::Transport>,
+}
+
+fn parse_transport(s: &str) -> Result<shoal::dataplane::Transport, String> {
+    use shoal::dataplane::Transport;
+    Ok(match s {
+        "shm" => Transport::Shm,
+        "tcp" => Transport::Tcp,
+        "libp2p" => Transport::Libp2p,
+        "rdma" => Transport::Rdma,
+        other => return Err(format!("`{other}` is not one of shm, tcp, libp2p, rdma")),
+    })
 }
 
 /// `--strategy`: `None` is auto.
@@ -396,6 +410,7 @@ fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> 
                 device: device.clone(),
                 strategy: args.strategy.0,
                 dataplane_ip,
+                dataplane_transports: (!args.dataplane.is_empty()).then_some(args.dataplane),
             },
             net.clone(),
             net_events,

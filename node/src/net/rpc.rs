@@ -26,6 +26,17 @@ pub fn check_request(request: &v1::ControlRequest) -> Result<(), WireError> {
             }
             Ok(())
         }
+        control_request::Body::Frame(f) => {
+            if f.version != WIRE_VERSION {
+                return Err(WireError::Version { got: f.version });
+            }
+            check_len("frame.model", &f.model, MAX_STRING_BYTES)?;
+            check_len("frame.epoch_leader", &f.epoch_leader, MAX_STRING_BYTES)?;
+            if f.data.len() % 4 != 0 {
+                return Err(WireError::OutOfRange { field: "frame.data" });
+            }
+            Ok(())
+        }
     }
 }
 
@@ -45,7 +56,7 @@ pub fn check_response(response: &v1::ControlResponse) -> Result<(), WireError> {
                 forward_response::Output::Error(e) => check_len("forward.error.message", &e.message, MAX_ERROR_BYTES),
             }
         }
-        control_response::Body::Released(_) => Ok(()),
+        control_response::Body::Released(_) | control_response::Body::FrameAck(_) => Ok(()),
         control_response::Body::Answer(a) => check_count("answer.established", &a.established, 8),
         control_response::Body::Error(e) => check_len("response.error.message", &e.message, MAX_ERROR_BYTES),
     }

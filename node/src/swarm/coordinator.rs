@@ -43,6 +43,8 @@ pub struct SwarmConfig {
     pub strategy: Option<Strategy>,
     /// Where this node's data-plane TCP listeners bind (its address towards its peers).
     pub dataplane_ip: std::net::IpAddr,
+    /// Offer only these data-plane transports (tests and diagnosis); `None`: all this host has.
+    pub dataplane_transports: Option<Vec<crate::dataplane::Transport>>,
 }
 
 /// Longest wait of one all-reduce of a tensor group in `serve` (at most the hop deadline).
@@ -138,7 +140,11 @@ pub fn spawn(config: SwarmConfig, net: NetHandle, mut net_events: mpsc::Receiver
     let (plan_tx, plan_rx) = watch::channel::<Option<Arc<Plan>>>(None);
     // Stage loads report back here from the stage thread.
     let (stage_done_tx, mut stage_done) = mpsc::unbounded_channel::<(String, StageKey, Result<(), String>)>();
-    let dataplane = DataplaneConfig { offer: crate::dataplane::negotiate::local_offer(), ip: config.dataplane_ip };
+    let mut offer = crate::dataplane::negotiate::local_offer();
+    if let Some(only) = &config.dataplane_transports {
+        offer.transports.retain(|t| only.contains(t));
+    }
+    let dataplane = DataplaneConfig { offer, ip: config.dataplane_ip };
     let hop = HopContext {
         me: config.advert.id.clone(),
         net: net.clone(),
@@ -146,6 +152,7 @@ pub fn spawn(config: SwarmConfig, net: NetHandle, mut net_events: mpsc::Receiver
         plan: plan_rx,
         hop_deadline: config.hop_deadline,
         links: LinkBook::default(),
+        frames: Default::default(),
         order: GroupOrder::default(),
         dataplane,
     };
@@ -236,10 +243,10 @@ impl Coordinator {
             NetEvent::Rtt { peer, rtt } => {
                 self.rtt.insert(peer.to_string(), rtt.as_secs_f64() * 1e3);
             }
-            NetEvent::Request { request, reply, .. } => {
+            NetEvent::Request { from, request, reply } => {
                 let hop = self.hop.clone();
                 tokio::spawn(async move {
-                    let _ = reply.send(forward::serve(&hop, request).await);
+                    let _ = reply.send(forward::serve(&hop, from, request).await);
                 });
             }
             NetEvent::Listening(_) => {}

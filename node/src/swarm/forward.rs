@@ -29,6 +29,8 @@ pub struct HopContext {
     pub hop_deadline: Duration,
     /// Data-plane links set up on invites, until this node's group formation takes them.
     pub links: super::tp_group::LinkBook,
+    /// Where inbound libp2p data-plane frames go.
+    pub frames: super::p2p_link::FrameRoutes,
     /// The order of tensor groups' steps on this node.
     pub order: super::tp_group::GroupOrder,
     pub dataplane: super::tp_group::DataplaneConfig,
@@ -43,7 +45,7 @@ fn forward_error(request_id: u64, e: RpcError) -> v1::ForwardResponse {
 }
 
 /// Answers a control RPC addressed to this node.
-pub async fn serve(hop: &HopContext, request: v1::ControlRequest) -> v1::ControlResponse {
+pub async fn serve(hop: &HopContext, from: libp2p::PeerId, request: v1::ControlRequest) -> v1::ControlResponse {
     let body = match request.body {
         Some(control_request::Body::Forward(f)) => control_response::Body::Forward(serve_forward(hop, f).await),
         Some(control_request::Body::Release(r)) => {
@@ -52,7 +54,11 @@ pub async fn serve(hop: &HopContext, request: v1::ControlRequest) -> v1::Control
             }
             control_response::Body::Released(v1::Released { known: true })
         }
-        Some(control_request::Body::Invite(i)) => match super::tp_group::answer_invite(hop, i).await {
+        Some(control_request::Body::Frame(f)) => match hop.frames.deliver(f) {
+            Ok(()) => control_response::Body::FrameAck(v1::GroupAck {}),
+            Err(e) => control_response::Body::Error(error(ErrorCode::NotServing, e)),
+        },
+        Some(control_request::Body::Invite(i)) => match super::tp_group::answer_invite(hop, from, i).await {
             Ok(a) => control_response::Body::Answer(a),
             Err(e) => control_response::Body::Error(error(ErrorCode::BadRequest, e)),
         },

@@ -3,7 +3,9 @@
 //! listener and token), the invited member sets up the common transports fastest first and
 //! answers with what it set up, and both keep those links, the fastest active, the rest as
 //! fallbacks. Links a member sets up on an invite wait in the `LinkBook` until its own
-//! formation takes them (or they expire). Blocking set-up (mapping, connecting, accepting)
+//! formation takes them (or they expire). When both offer it, each pair also gets a libp2p link
+//! (`p2p_link`), last in the list; its frame route is registered before the invite or answer
+//! goes out, so no frame arrives before its route. Blocking set-up (mapping, connecting, accepting)
 //! runs on the blocking pool. Also the order of a group's steps: the leader numbers them and
 //! every follower submits them to its stage thread in that order (`GroupOrder`), so every
 //! member's all-reduces meet in the same sequence.
@@ -19,8 +21,9 @@ use tokio::sync::oneshot;
 
 use super::forward::HopContext;
 use crate::cluster::Epoch;
+use super::p2p_link::P2pLink;
 use crate::dataplane::connect::{join, Invite, Inviter};
-use crate::dataplane::{Link, Offer, Transport};
+use crate::dataplane::{negotiate, Link, Offer, Transport};
 
 /// How long links set up on an invite wait for their member's own formation to take them.
 const BOOK_TTL: Duration = Duration::from_secs(120);
@@ -156,10 +159,22 @@ fn invite_from_proto(i: v1::LinkInvite) -> Result<(PairKey, Invite), String> {
 }
 
 /// Answers an inbound invite: sets up the common transports and books the links.
-pub async fn answer_invite(hop: &HopContext, invite: v1::LinkInvite) -> Result<v1::LinkAnswer, String> {
+pub async fn answer_invite(hop: &HopContext, from: libp2p::PeerId, invite: v1::LinkInvite) -> Result<v1::LinkAnswer, String> {
     let (key, invite) = invite_from_proto(invite)?;
     let offer = hop.dataplane.offer.clone();
-    let (links, established) = tokio::task::spawn_blocking(move || join(&invite, &offer)).await.map_err(|e| e.to_string())?;
+    let p2p = negotiate(&offer, &invite.offer).contains(&Transport::Libp2p);
+    let (mut links, mut established) = tokio::task::spawn_blocking(move || {
+        let mut invite = invite;
+        invite.offer.transports.retain(|t| *t != Transport::Libp2p);
+        join(&invite, &offer)
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    if p2p {
+        let pair = PairKey { from_rank: key.to_rank, to_rank: key.from_rank, ..key.clone() };
+        links.push(Box::new(P2pLink::open(hop.net.clone(), from, pair, hop.frames.clone())));
+        established.push(Transport::Libp2p);
+    }
     tracing::info!(target: "shoal::dataplane", event = "links_joined", model = %key.model, from = key.from_rank, to = key.to_rank, transports = ?established);
     hop.links.put(key, links);
     Ok(v1::LinkAnswer { established: established.into_iter().map(transport_name).collect() })
@@ -201,6 +216,8 @@ pub async fn form(hop: &HopContext, model: &str, epoch: &Epoch, rank: usize, mem
 async fn invite(hop: &HopContext, key: PairKey, peer: &str, until: tokio::time::Instant) -> Result<Vec<Box<dyn Link>>, String> {
     let Some(peer_id) = super::coordinator::peer_of(peer) else { return Err(format!("`{peer}` is not a peer id")) };
     let (offer, ip) = (hop.dataplane.offer.clone(), hop.dataplane.ip);
+    // Registered before the invite goes out; dropped (unregistered) unless the peer takes it.
+    let p2p = offer.transports.contains(&Transport::Libp2p).then(|| P2pLink::open(hop.net.clone(), peer_id, key.clone(), hop.frames.clone()));
     let inviter = tokio::task::spawn_blocking(move || Inviter::new(&offer, ip)).await.map_err(|e| e.to_string())?;
     let request = v1::ControlRequest { version: shoal_proto::WIRE_VERSION, body: Some(v1::control_request::Body::Invite(invite_to_proto(&key, inviter.invite()))) };
     let answer = loop {
@@ -217,7 +234,12 @@ async fn invite(hop: &HopContext, key: PairKey, peer: &str, until: tokio::time::
     };
     let established: Vec<Transport> = answer.established.iter().filter_map(|t| transport_from(t)).collect();
     tracing::info!(target: "shoal::dataplane", event = "links_invited", model = %key.model, from = key.from_rank, to = key.to_rank, transports = ?established);
-    tokio::task::spawn_blocking(move || inviter.finish(&established, Duration::from_secs(10))).await.map_err(|e| e.to_string())
+    let direct: Vec<Transport> = established.iter().copied().filter(|t| *t != Transport::Libp2p).collect();
+    let mut links = tokio::task::spawn_blocking(move || inviter.finish(&direct, Duration::from_secs(10))).await.map_err(|e| e.to_string())?;
+    if let (Some(link), true) = (p2p, established.contains(&Transport::Libp2p)) {
+        links.push(Box::new(link) as Box<dyn Link>);
+    }
+    Ok(links)
 }
 
 /// The order of one group's steps. The leader numbers steps (`lead`); a follower runs step n
