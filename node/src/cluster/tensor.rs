@@ -1,6 +1,6 @@
 //! Tensor-parallel and hybrid placement, and the choice between strategies. A tensor group
-//! runs every layer on N members, each holding its share of the heads and MLP columns plus a
-//! replicated embedding and head; a hybrid plan chains equal groups as pipeline stages. How far
+//! runs every layer on N members, each holding its share of the heads, MLP columns and LM head
+//! rows plus a replicated embedding; a hybrid plan chains equal groups as pipeline stages. How far
 //! a model splits (`TpUnits`: block-aligned head groups and MLP blocks, read from its header)
 //! bounds N, and a model that cannot be split N ways gets the reason. `place_choice` honours a
 //! pinned strategy or, for auto, asks the cost model: the memory-weighted single/pipeline plan
@@ -81,9 +81,9 @@ fn share(tp: TpUnits, n: usize) -> f64 {
 }
 
 /// Bytes one member of a group of `n` holds for `layers` layers (plus the embedding on the
-/// first stage and the head on the last, replicated on every member).
+/// first stage, replicated on every member, and its rows of the head on the last).
 fn member_bytes(m: &ModelFootprint, n: usize, layers: usize, first: bool, last: bool) -> u64 {
-    (layers as f64 * m.bytes_per_layer as f64 * share(m.tp, n)).ceil() as u64 + if first { m.embedding_bytes } else { 0 } + if last { m.head_bytes } else { 0 }
+    (layers as f64 * m.bytes_per_layer as f64 * share(m.tp, n)).ceil() as u64 + if first { m.embedding_bytes } else { 0 } + if last { m.head_bytes.div_ceil(n.max(1) as u64) } else { 0 }
 }
 
 /// Bytes each node holds under `p`.
