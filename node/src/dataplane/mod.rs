@@ -6,13 +6,16 @@
 //! holds the network). `negotiate` picks the order from both sides' offers; `group::LinkGroup` runs the
 //! all-reduce over the links and falls back to the next transport when one fails mid-call.
 //! It does not decide who is in a group (placement does) nor carry control messages (net does).
-//! RDMA verbs are not implemented: `Transport::Rdma` exists only so that offers from a future
-//! build rank correctly; this build never offers it.
+//! RDMA verbs links are not implemented: `Transport::Rdma` exists so that offers from a future
+//! build rank correctly; this build never offers it. With the `rdma` feature, `rdma` detects
+//! devices through libibverbs opened at run time and reports them.
 
 pub mod connect;
 pub mod group;
 pub mod local;
 pub mod negotiate;
+#[cfg(feature = "rdma")]
+pub mod rdma;
 pub mod shm;
 pub mod tcp;
 

@@ -144,6 +144,8 @@ pub fn spawn(config: SwarmConfig, net: NetHandle, mut net_events: mpsc::Receiver
     if let Some(only) = &config.dataplane_transports {
         offer.transports.retain(|t| only.contains(t));
     }
+    #[cfg(feature = "rdma")]
+    tracing::info!(target: "shoal::dataplane", event = "rdma_detected", found = ?crate::dataplane::rdma::detect(), "RDMA devices are reported, not offered: this build has no verbs link");
     let dataplane = DataplaneConfig { offer, ip: config.dataplane_ip };
     let hop = HopContext {
         me: config.advert.id.clone(),
