@@ -30,7 +30,7 @@ pub enum Detection {
 /// Looks for usable RDMA devices. Never panics; a library or device that fails is skipped.
 pub fn detect() -> Detection {
     // SAFETY: loading libibverbs runs its constructors, which only register providers.
-    let Some(lib) = LIBRARIES.iter().find_map(|name| unsafe { libloading::Library::new(name) }.ok()) else {
+    let Some(lib) = LIBRARIES.iter().find_map(|name| unsafe { libloading::Library::new(*name) }.ok()) else {
         return Detection::NoLibrary;
     };
     // SAFETY: the symbol types match rdma-core's exported prototypes (verbs.h).
