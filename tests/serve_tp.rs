@@ -4,7 +4,7 @@
 //! one node's; `/v1/cluster` shows the group and the cost model's prediction beside the
 //! measurement. A pinned strategy the swarm cannot honour is a clear error, not a hang. With
 //! only the libp2p stream offered (`--dataplane libp2p`), frames travel as control RPCs and the
-//! text is the same.
+//! text is the same. Four processes pinned to `--strategy hybrid` chain two groups of two.
 
 use std::time::{Duration, Instant};
 
@@ -108,4 +108,45 @@ fn a_tensor_group_whose_only_common_transport_is_the_libp2p_stream_still_equals_
         let formed = log.lines().find(|l| l.contains("group_formed")).unwrap_or_else(|| panic!("no group_formed event:\n{log}"));
         assert!(formed.contains("Libp2p") && !formed.contains("Shm") && !formed.contains("Tcp"), "only the libp2p stream was offered: {formed}");
     }
+}
+
+#[test]
+fn a_pinned_hybrid_plan_of_two_groups_of_two_equals_one_node() {
+    let prompt = "The three primary colours are";
+    let single = Node::start(&["serve"]);
+    let (status, want) = complete(&single, prompt, 12);
+    assert_eq!(status, 200, "{want}");
+    drop(single);
+
+    // Members count only over direct connections: every node dials every earlier one.
+    let a = Node::start(&["serve", "--strategy", "hybrid"]);
+    let mut peers = vec![swarm_addr(&a)];
+    let mut others: Vec<Node> = Vec::new();
+    for _ in 0..3 {
+        let mut args = vec!["serve", "--strategy", "hybrid"];
+        for p in &peers {
+            args.extend(["--peer", p.as_str()]);
+        }
+        let node = Node::start(&args);
+        peers.push(swarm_addr(&node));
+        others.push(node);
+    }
+    let started = Instant::now();
+    let got = loop {
+        let (status, got) = complete(&a, prompt, 12);
+        if status == 200 {
+            break got;
+        }
+        let logs: Vec<String> = others.iter().map(Node::stderr).collect();
+        assert!(started.elapsed() < Duration::from_secs(150), "no hybrid completion: {got}\nA:\n{}\nothers:\n{}", a.stderr(), logs.join("\n---\n"));
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert_eq!(got["choices"][0]["text"], want["choices"][0]["text"], "two tensor groups chained as a pipeline give one node's greedy text");
+    let (_, cluster) = block_on(get(&a.url("/v1/cluster")));
+    let plan = cluster["plans"].as_array().and_then(|p| p.iter().find(|p| p["model"] == GEMMA)).unwrap_or_else(|| panic!("no plan: {cluster}"));
+    assert_eq!(plan["strategy"], "hybrid", "{cluster}");
+    let stages = plan["stages"].as_array().unwrap();
+    assert_eq!(stages.len(), 2, "{plan}");
+    assert!(stages.iter().all(|s| s["group"].as_array().map(Vec::len) == Some(1)), "two groups of two: {plan}");
+    assert_eq!(stages[0]["end"], stages[1]["start"], "{plan}");
 }

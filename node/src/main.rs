@@ -428,7 +428,16 @@ fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> 
             Some(g) => eprintln!("computing on {} (cuda:{}): measured {:.1} TFLOP/s f16, {:.0} GB/s device copy", g.name, g.index, machine.flops / 1e12, machine.mem_bandwidth / 1e9),
             None => eprintln!("measured {:.1} GFLOP/s f32, {:.1} GB/s memory read", machine.flops / 1e9, machine.mem_bandwidth / 1e9),
         }
-        for a in net.listen_addrs().await.unwrap_or_default() {
+        // The listener reports its address shortly after start: wait for it (at most 2 s).
+        let mut listening = Vec::new();
+        for _ in 0..40 {
+            listening = net.listen_addrs().await.unwrap_or_default();
+            if !listening.is_empty() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        for a in listening {
             eprintln!("swarm listening on {a}/p2p/{id}");
         }
         let ui_host = if addr.ip().is_unspecified() { "127.0.0.1".to_string() } else { addr.ip().to_string() };
