@@ -591,9 +591,11 @@
       for (const p of plans) {
         const layers = Math.max(0, ...(p.stages || []).map((s) => s.end || 0));
         for (const s of p.stages || []) {
-          if (s.node !== n.id) continue;
+          const group = [s.node, ...(s.group || [])];
+          if (!group.includes(n.id)) continue;
+          const slice = group.length > 1 ? ', tensor slice ' + (group.indexOf(n.id) + 1) + ' of ' + group.length : '';
           held.push(h('li', { 'data-testid': 'node-layers' },
-            h('span', { class: 'mono' }, p.model), ': layers ' + s.start + '–' + (s.end - 1) + ' (' + (s.end - s.start) + ' of ' + layers + ')',
+            h('span', { class: 'mono' }, p.model), ': layers ' + s.start + '–' + (s.end - 1) + ' (' + (s.end - s.start) + ' of ' + layers + slice + ')',
             meter(layers ? (s.end - s.start) / layers : 0, 'share of ' + p.model + ' layers', 'thin c' + colour.get(n.id))));
         }
       }
@@ -621,7 +623,7 @@
           p.epoch != null ? h('span', { class: 'muted' }, 'epoch ' + p.epoch) : null),
         h('div', { class: 'stagebar', role: 'img', 'aria-label': stages.map((s) => nameOf(s.node) + ' layers ' + s.start + ' to ' + (s.end - 1)).join('; ') },
           stages.map((s) => h('span', { class: 'c' + (colour.has(s.node) ? colour.get(s.node) : 0), style: { flexGrow: String(Math.max(1, s.end - s.start)) }, title: nameOf(s.node) + ': ' + s.start + '–' + (s.end - 1) }, String(s.end - s.start)))),
-        h('div', { class: 'kv' }, stages.map((s, i) => [i ? ' → ' : '', nameOf(s.node) + ' [' + s.start + ', ' + s.end + ')'])),
+        h('div', { class: 'kv' }, stages.map((s, i) => [i ? ' → ' : '', [s.node, ...(s.group || [])].map(nameOf).join(' + ') + ' [' + s.start + ', ' + s.end + ')'])),
         h('div', { class: 'kv', 'data-testid': 'plan-tps' }, 'predicted ' + fmtTps(p.predicted_tok_s) + ' · measured ' + fmtTps(p.measured_tok_s)),
         (p.predictions || []).length ? h('div', { class: 'kv muted', 'data-testid': 'plan-predictions' }, 'cost model: ' + p.predictions.map((x) => x.strategy + (x.group > 1 ? ' ×' + x.group : '') + ' ' + fmtTps(x.tok_s) + (x.fits ? '' : ' (does not fit)')).join(' · ')) : null,
         layers ? null : h('div', { class: 'kv muted' }, 'no stages'));

@@ -204,7 +204,7 @@ pub async fn cluster(State(app): State<Arc<App>>) -> Json<Value> {
             json!({
                 "model": model, "epoch": epoch, "strategy": p.strategy,
                 "predicted_tok_s": predicted, "measured_tok_s": measured, "predictions": predictions,
-                "stages": p.stages.iter().map(|s| json!({"node": s.node, "start": s.start, "end": s.end, "group": s.group})).collect::<Vec<_>>(),
+                "stages": p.stages.iter().map(|s| if s.group.is_empty() { json!({"node": s.node, "start": s.start, "end": s.end}) } else { json!({"node": s.node, "start": s.start, "end": s.end, "group": s.group}) }).collect::<Vec<_>>(),
             })
         })
         .collect();
