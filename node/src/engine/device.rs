@@ -88,7 +88,8 @@ impl ComputeDevice {
         Err(EngineError::Device(format!("cuda:{index}: this shoal was built without CUDA (build with scripts/build-cuda.sh or `--features cuda`)")))
     }
 
-    pub(crate) fn candle(&self) -> &Device {
+    /// The candle device, for code that already works on candle tensors (the engine, tests).
+    pub fn candle(&self) -> &Device {
         &self.device
     }
 
