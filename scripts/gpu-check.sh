@@ -10,6 +10,7 @@
 #   scripts/gpu-check.sh swarm      a CUDA node and two CPU-only nodes (network namespaces when
 #                                   `ip netns` works, loopback otherwise) serve one model; the
 #                                   plan and the output are compared with one node
+#   scripts/gpu-check.sh models [q15] [q7]   only generate (and quantize) the models
 # Environment: SHOAL_BIN (default .gpu/shoal), DEVICE_CHECK (.gpu/device_check), TOKENIZER
 # (.gpu/tokenizer.json), WORK (/tmp/shoal-gpu: generated models, kept between stages), OUT.
 set -uo pipefail
@@ -155,6 +156,7 @@ case "${1:-}" in
   fidelity) shift; fidelity "$@" ;;
   bench) shift; bench "$@" ;;
   swarm) swarm ;;
+  models) shift; for s in "$@"; do case $s in q15) model q15 qwen2.5-1.5b --peaky ;; q7) model q7 qwen2.5-7b ;; esac; done ;;
   all) fidelity; bench; swarm ;;
   *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
 esac
