@@ -19,6 +19,7 @@
 //!   stage-only fetch) and peer copies between real swarms (hub untouched, lying peer caught)
 //! - swarm: real libp2p swarms on loopback run a pipeline across nodes and survive a lost stage
 //! - netns: real `shoal serve` processes in network namespaces, mDNS only: split, kill, cluster key
+//! - serve_tp: `shoal serve` processes pinned to a tensor group of two equal one node
 //! - tensor_parallel: tensor-parallel slices joined by an in-process all-reduce equal one node
 //! - transports: data-plane negotiation, shared memory and TCP links, fallback mid-request, member processes
 //! - simulator: seeded churn over the cluster state machines, invariants every step
@@ -39,6 +40,7 @@ mod real_models;
 mod sharding;
 mod simulator;
 mod netns;
+mod serve_tp;
 mod swarm;
 mod tensor_parallel;
 mod transports;

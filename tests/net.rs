@@ -79,6 +79,8 @@ fn echo(request: v1::ControlRequest) -> v1::ControlResponse {
             rpc::response(control_response::Body::Forward(forward))
         }
         Some(control_request::Body::Release(_)) => rpc::response(control_response::Body::Released(v1::Released { known: false })),
+        Some(control_request::Body::Frame(_)) => rpc::response(control_response::Body::FrameAck(v1::GroupAck {})),
+        Some(control_request::Body::Invite(i)) => rpc::response(control_response::Body::Answer(v1::LinkAnswer { established: i.transports })),
         None => unreachable!("net checks that a request has a body"),
     }
 }

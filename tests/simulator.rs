@@ -18,7 +18,7 @@ const SETTLE_MS: u64 = 15_000;
 const ADVERT_EVERY_MS: u64 = 1_000;
 
 fn footprint(name: &str, layers: usize) -> ModelFootprint {
-    ModelFootprint { model: name.into(), layers, bytes_per_layer: 100, embedding_bytes: 50, head_bytes: 50 }
+    ModelFootprint { model: name.into(), layers, bytes_per_layer: 100, embedding_bytes: 50, head_bytes: 50, ..Default::default() }
 }
 
 fn advert(i: usize, rng: &mut StdRng) -> NodeAdvert {

@@ -68,6 +68,9 @@ async fn start_node(name: &str, memory_offered: u64, peers: Vec<Multiaddr>, mode
         advert_every: Duration::from_millis(500),
         hop_deadline: Duration::from_secs(10),
         device: shoal::engine::device::ComputeDevice::cpu(),
+        strategy: None,
+        dataplane_ip: "127.0.0.1".parse().unwrap(),
+        dataplane_transports: None,
     };
     let handle = swarm::spawn(config, net, events, cancel.clone());
     TestNode { handle, addr, cancel, _dir: dir }

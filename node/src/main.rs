@@ -121,6 +121,55 @@ struct ServeArgs {
     no_discovery: bool,
     #[command(flatten)]
     device: DeviceArg,
+    /// How the swarm runs the models this node asks for: auto (the cost model's best), single,
+    /// pipeline, tensor or hybrid; a pinned strategy that cannot place the model is an error.
+    #[arg(long, default_value = "auto", value_parser = parse_strategy)]
+    strategy: StrategyArg,
+    /// Offer only these data-plane transports to tensor-group peers (shm, tcp, libp2p), for tests.
+    #[arg(long, hide = true, value_delimiter = ',', value_parser = parse_transport)]
+    dataplane: Vec<shoal::dataplane::Transport>,
+}
+
+fn parse_transport(s: &str) -> Result<shoal::dataplane::Transport, String> {
+    use shoal::dataplane::Transport;
+    Ok(match s {
+        "shm" => Transport::Shm,
+        "tcp" => Transport::Tcp,
+        "libp2p" => Transport::Libp2p,
+        "rdma" => Transport::Rdma,
+        other => return Err(format!("`{other}` is not one of shm, tcp, libp2p, rdma")),
+    })
+}
+
+/// `--strategy`: `None` is auto.
+#[derive(Clone, Copy, Debug)]
+struct StrategyArg(Option<shoal::cluster::Strategy>);
+
+fn parse_strategy(s: &str) -> Result<StrategyArg, String> {
+    use shoal::cluster::Strategy;
+    Ok(StrategyArg(match s {
+        "auto" => None,
+        "single" => Some(Strategy::Single),
+        "pipeline" => Some(Strategy::Pipeline),
+        "tensor" => Some(Strategy::Tensor),
+        "hybrid" => Some(Strategy::Hybrid),
+        other => return Err(format!("`{other}` is not one of auto, single, pipeline, tensor, hybrid")),
+    }))
+}
+
+/// The address data-plane TCP listeners bind to: the first concrete IP among the swarm's
+/// listen addresses, else 0.0.0.0 (every interface).
+fn dataplane_ip(listen: &[libp2p::Multiaddr]) -> std::net::IpAddr {
+    use libp2p::multiaddr::Protocol;
+    listen
+        .iter()
+        .flat_map(|a| a.iter())
+        .find_map(|p| match p {
+            Protocol::Ip4(ip) if !ip.is_unspecified() => Some(std::net::IpAddr::V4(ip)),
+            Protocol::Ip6(ip) if !ip.is_unspecified() => Some(std::net::IpAddr::V6(ip)),
+            _ => None,
+        })
+        .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED))
 }
 
 #[derive(clap::Args)]
@@ -351,6 +400,7 @@ fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> 
             wants: vec![],
             plan: None,
         };
+        let dataplane_ip = dataplane_ip(&args.listen);
         let (net, net_events) = start_net(key, args.listen, args.peer, cluster_key, !args.no_discovery, &shutdown)?;
         let swarm = shoal::swarm::spawn(
             shoal::swarm::SwarmConfig {
@@ -361,6 +411,9 @@ fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> 
                 advert_every: std::time::Duration::from_secs(1),
                 hop_deadline: std::time::Duration::from_secs(120),
                 device: device.clone(),
+                strategy: args.strategy.0,
+                dataplane_ip,
+                dataplane_transports: (!args.dataplane.is_empty()).then_some(args.dataplane),
             },
             net.clone(),
             net_events,

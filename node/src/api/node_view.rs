@@ -157,7 +157,7 @@ pub async fn cluster(State(app): State<Arc<App>>) -> Json<Value> {
     let limit = app.config.memory_limit;
     let (memory_total, memory_available) = tokio::task::spawn_blocking(move || offered_memory(limit, loaded_bytes)).await.unwrap_or((0, 0));
     let stages_on = |node: &str| -> Vec<&str> {
-        placements.iter().filter(|(_, p)| p.as_ref().is_ok_and(|p| p.stages.iter().any(|s| s.node == node))).map(|(m, _)| m.as_str()).collect()
+        placements.iter().filter(|(_, p)| p.as_ref().is_ok_and(|p| p.stage_of(node).is_some())).map(|(m, _)| m.as_str()).collect()
     };
     let nodes: Vec<Value> = snapshot
         .members
@@ -194,7 +194,7 @@ pub async fn cluster(State(app): State<Arc<App>>) -> Json<Value> {
             let measured = state.loaded.as_ref().filter(|l| &l.model.id == model).and(state.last_decode_tok_s);
             let (predicted, predictions) = match footprint(model) {
                 Some(f) => {
-                    let stages: Option<Vec<(Vec<&cost::Speed>, usize)>> = p.stages.iter().map(|s| speeds.iter().find(|x| x.node == s.node).map(|x| (vec![x], s.end - s.start))).collect();
+                    let stages: Option<Vec<(Vec<&cost::Speed>, usize)>> = p.stages.iter().map(|s| s.members().map(|n| speeds.iter().find(|x| &x.node == n)).collect::<Option<Vec<_>>>().map(|g| (g, s.end - s.start))).collect();
                     let predicted = stages.map(|st| cost::predict_stages(&f, &st, link).0);
                     let holders: Vec<cost::Speed> = speeds.iter().filter(|s| snapshot.members.iter().any(|m| m.id == s.node && m.models.iter().any(|x| x == model))).cloned().collect();
                     (predicted, cost::predict_all(&f, &holders, link))
@@ -204,7 +204,7 @@ pub async fn cluster(State(app): State<Arc<App>>) -> Json<Value> {
             json!({
                 "model": model, "epoch": epoch, "strategy": p.strategy,
                 "predicted_tok_s": predicted, "measured_tok_s": measured, "predictions": predictions,
-                "stages": p.stages.iter().map(|s| json!({"node": s.node, "start": s.start, "end": s.end})).collect::<Vec<_>>(),
+                "stages": p.stages.iter().map(|s| json!({"node": s.node, "start": s.start, "end": s.end, "group": s.group})).collect::<Vec<_>>(),
             })
         })
         .collect();

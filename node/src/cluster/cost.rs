@@ -3,8 +3,8 @@
 //! the members' measured memory bandwidth and FLOP/s, the link RTT and the bytes that cross a
 //! link per token. A decode step reads every weight once, so a node's time is the larger of
 //! bytes / bandwidth and 2 FLOP per weight byte / FLOP/s; a pipeline adds one hop per stage
-//! boundary; a tensor group divides the layers' bytes but reads the replicated LM head on every
-//! member and adds two all-reduces per layer (one exchange for 2, recursive doubling for small
+//! boundary; a tensor group divides the layers' bytes and the LM head (split by vocabulary,
+//! its logits gathered by one more all-reduce) and adds two all-reduces per layer (one exchange for 2, recursive doubling for small
 //! buffers, a ring otherwise, as `dataplane::group` runs them). Pure: no I/O, no clocks.
 //! It does not measure anything itself and ignores KV-cache reads (short contexts).
 
@@ -79,10 +79,14 @@ pub fn all_reduce_cost(n: usize, bytes: f64, link: LinkCost) -> (f64, f64) {
 /// Tok/s of one tensor group of `members` running `layers` layers (plus the head when `head`).
 fn group_time(m: &ModelFootprint, members: &[&Speed], layers: usize, head: bool, link: LinkCost) -> (f64, f64) {
     let n = members.len().max(1);
-    let slice = layers as f64 * m.bytes_per_layer as f64 / n as f64 + if head { m.head_bytes as f64 } else { 0.0 };
+    // The LM head is split by vocabulary rows and its logits gathered by one all-reduce of
+    // vocab × 4 bytes (vocabulary estimated from the head's bytes at ~1.8 weights a byte).
+    let hidden = hidden_estimate(m.bytes_per_layer) as f64;
+    let slice = (layers as f64 * m.bytes_per_layer as f64 + if head { m.head_bytes as f64 } else { 0.0 }) / n as f64;
     let compute = members.iter().map(|s| node_time(slice, s)).fold(0.0, f64::max);
-    let (ar, sent) = all_reduce_cost(n, hidden_estimate(m.bytes_per_layer) as f64 * 4.0, link);
-    (compute + 2.0 * layers as f64 * ar, 2.0 * layers as f64 * sent)
+    let (ar, sent) = all_reduce_cost(n, hidden * 4.0, link);
+    let (gather, gathered) = if head && n > 1 { all_reduce_cost(n, m.head_bytes as f64 * 1.8 / hidden * 4.0, link) } else { (0.0, 0.0) };
+    (compute + 2.0 * layers as f64 * ar + gather, 2.0 * layers as f64 * sent + gathered)
 }
 
 fn fits(m: &ModelFootprint, members: &[&Speed], layers: usize, first: bool, last: bool) -> bool {
@@ -148,7 +152,7 @@ mod tests {
     }
 
     fn seven_b() -> ModelFootprint {
-        ModelFootprint { model: "7b".into(), layers: 28, bytes_per_layer: 233 << 20, embedding_bytes: 545 << 20, head_bytes: 545 << 20 }
+        ModelFootprint { model: "7b".into(), layers: 28, bytes_per_layer: 233 << 20, embedding_bytes: 545 << 20, head_bytes: 545 << 20, ..Default::default() }
     }
 
     #[test]

@@ -6,8 +6,10 @@
 pub mod cost;
 pub mod placement;
 pub mod state;
+pub mod tensor;
 
 pub use placement::{place, place_all, Capacity, ModelFootprint, Placement, PlacementError, Stage, Strategy};
+pub use tensor::TpUnits;
 pub use state::{ClusterConfig, ClusterEvent, ClusterState, Epoch, GpuAdvert, Input, NodeAdvert, Output, Plan};
 
 /// A node's stable identity (its libp2p PeerId in text form).

@@ -15,7 +15,7 @@ use super::state::NodeAdvert;
 use super::NodeId;
 
 /// What a model needs, known before any weights are read (from the catalogue or the file).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ModelFootprint {
     pub model: String,
     pub layers: usize,
@@ -23,6 +23,12 @@ pub struct ModelFootprint {
     /// Embedding table (first stage), final norm and LM head (last stage), in bytes.
     pub embedding_bytes: u64,
     pub head_bytes: u64,
+    /// How far the model splits tensor-parallel (see `tensor.rs`).
+    #[serde(default)]
+    pub tp: super::tensor::TpUnits,
+    /// The strategy the wanting node pinned (`None`: the cost model's best).
+    #[serde(default)]
+    pub strategy: Option<Strategy>,
 }
 
 impl ModelFootprint {
@@ -45,6 +51,10 @@ pub struct Capacity {
 pub enum Strategy {
     Single,
     Pipeline,
+    /// One tensor-parallel group runs every layer.
+    Tensor,
+    /// Tensor-parallel groups as pipeline stages.
+    Hybrid,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -52,6 +62,10 @@ pub struct Stage {
     pub node: NodeId,
     pub start: usize,
     pub end: usize,
+    /// With members, a tensor-parallel group: `node` is rank 0 (it passes results on) and
+    /// these are ranks 1.., each running its slice of the same layers.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub group: Vec<NodeId>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -91,12 +105,10 @@ pub fn place_all(members: &[&NodeAdvert]) -> BTreeMap<String, Result<Placement, 
             .filter(|a| a.models.iter().any(|m| m == name))
             .map(|a| Capacity { node: a.id.clone(), memory_offered: left[a.id.as_str()], mem_bandwidth: a.mem_bandwidth })
             .collect();
-        let placed = place(footprint, &holders);
+        let placed = super::tensor::place_choice(footprint, &holders);
         if let Ok(p) = &placed {
-            for (i, s) in p.stages.iter().enumerate() {
-                let fixed = if i == 0 { footprint.embedding_bytes } else { 0 } + if i + 1 == p.stages.len() { footprint.head_bytes } else { 0 };
-                let used = (s.end - s.start) as u64 * footprint.bytes_per_layer + fixed;
-                if let Some(l) = left.get_mut(s.node.as_str()) {
+            for (node, used) in super::tensor::memory_used(footprint, p) {
+                if let Some(l) = left.get_mut(node.as_str()) {
                     *l = l.saturating_sub(used);
                 }
             }
@@ -124,7 +136,7 @@ pub fn place(model: &ModelFootprint, members: &[Capacity]) -> Result<Placement, 
         .filter(|c| c.memory_offered >= model.total_bytes())
         .max_by(|a, b| a.mem_bandwidth.total_cmp(&b.mem_bandwidth).then(b.node.cmp(&a.node)))
     {
-        let single = Placement { strategy: Strategy::Single, stages: vec![Stage { node: best.node.clone(), start: 0, end: model.layers }] };
+        let single = Placement { strategy: Strategy::Single, stages: vec![Stage { node: best.node.clone(), start: 0, end: model.layers, group: vec![] }] };
         let top = nodes.iter().map(|c| c.mem_bandwidth).fold(0.0, f64::max);
         if best.mem_bandwidth.max(1.0) * TIER_RATIO >= top {
             return Ok(single);
@@ -155,7 +167,7 @@ fn token_seconds(model: &ModelFootprint, p: &Placement, nodes: &[&Capacity]) -> 
 }
 
 /// A pipeline over `nodes` (sorted by id), or why none fits.
-fn pipeline(model: &ModelFootprint, nodes: &[&Capacity]) -> Result<Placement, PlacementError> {
+pub(super) fn pipeline(model: &ModelFootprint, nodes: &[&Capacity]) -> Result<Placement, PlacementError> {
     let offered: u64 = nodes.iter().map(|c| c.memory_offered).sum();
     let not_fit = || PlacementError::DoesNotFit { model: model.model.clone(), needed: model.total_bytes(), offered };
     if offered < model.total_bytes() {
@@ -190,7 +202,7 @@ fn pipeline(model: &ModelFootprint, nodes: &[&Capacity]) -> Result<Placement, Pl
     let mut start = 0;
     for (c, n) in order.iter().zip(layers) {
         if n > 0 {
-            stages.push(Stage { node: c.node.clone(), start, end: start + n });
+            stages.push(Stage { node: c.node.clone(), start, end: start + n, group: vec![] });
             start += n;
         }
     }
@@ -276,7 +288,7 @@ mod tests {
     }
 
     fn model(layers: usize, gb_per_layer_x10: u64) -> ModelFootprint {
-        ModelFootprint { model: "m".into(), layers, bytes_per_layer: (gb_per_layer_x10 << 30) / 10, embedding_bytes: 1 << 29, head_bytes: 1 << 29 }
+        ModelFootprint { model: "m".into(), layers, bytes_per_layer: (gb_per_layer_x10 << 30) / 10, embedding_bytes: 1 << 29, head_bytes: 1 << 29, ..Default::default() }
     }
 
     #[test]
@@ -284,7 +296,7 @@ mod tests {
         let m = model(10, 1); // 1 GiB of layers + 1 GiB extra
         let p = place(&m, &[cap("a", 4, 10.0), cap("b", 4, 20.0), cap("c", 1, 50.0)]).unwrap();
         assert_eq!(p.strategy, Strategy::Single);
-        assert_eq!(p.stages, vec![Stage { node: "b".into(), start: 0, end: 10 }]);
+        assert_eq!(p.stages, vec![Stage { node: "b".into(), start: 0, end: 10, group: vec![] }]);
     }
 
     #[test]

@@ -194,7 +194,7 @@ impl ClusterState {
     /// Our stage of `model` in the plan in force, if we have one: the only work we may serve.
     pub fn my_stage(&self, model: &str) -> Option<&Stage> {
         let placement = self.plan.as_ref()?.placements.get(model)?.as_ref().ok()?;
-        placement.stages.iter().find(|s| s.node == self.me.id)
+        placement.stages.iter().find(|s| s.rank_of(&self.me.id).is_some())
     }
 
     pub fn handle(&mut self, input: Input, now: Millis) -> Vec<Output> {

@@ -2,7 +2,8 @@
 //! apart from the libp2p control plane. One interface (`Link`: frames to one peer, blocking,
 //! with deadlines) over several transports, fastest first: same-host shared memory (`shm`),
 //! direct TCP with no-delay (`tcp`), in-process channels (`local`, for tests and one-process
-//! groups). `negotiate` picks the order from both sides' offers; `group::LinkGroup` runs the
+//! groups); the libp2p stream, the last resort, is a `Link` in `swarm::p2p_link` (only the swarm
+//! holds the network). `negotiate` picks the order from both sides' offers; `group::LinkGroup` runs the
 //! all-reduce over the links and falls back to the next transport when one fails mid-call.
 //! It does not decide who is in a group (placement does) nor carry control messages (net does).
 //! RDMA verbs are not implemented: `Transport::Rdma` exists only so that offers from a future

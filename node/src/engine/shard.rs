@@ -68,6 +68,9 @@ pub struct Shard {
     dtype: DType,
     /// This shard's tensor-parallel group, when it holds a slice of its layers.
     tp: Option<TpMember>,
+    /// A tensor-parallel last shard holds only these rows of the LM head (of how many): its
+    /// logits are gathered from the group (`tp::gather_logits`).
+    head_part: Option<(std::ops::Range<usize>, usize)>,
 }
 
 impl Shard {
@@ -100,9 +103,19 @@ impl Shard {
             }
         }
         let layers = (range.start..range.end).map(|i| DecoderLayer::load(weights, spec, i, part.as_ref(), device)).collect::<Result<Vec<_>>>()?;
+        // A group's last shard splits the LM head by vocabulary rows (see `tp::vocab_part`).
+        let head_part = match (&tp, is_last) {
+            (Some(m), true) if m.slice.size > 1 => {
+                let rows = *weights.shape(if tied { Role::Embed } else { Role::LmHead }, 0)?.first().unwrap_or(&0);
+                Some((super::tp::vocab_part(rows, m.slice), rows))
+            }
+            _ => None,
+        };
         let (final_norm, lm_head) = if is_last {
-            let head = match (&embed, tied) {
-                (Some(e), true) => Linear::from_matmul(e.as_matmul()),
+            let head_role = if tied { Role::Embed } else { Role::LmHead };
+            let head = match (&embed, tied, &head_part) {
+                (_, _, Some((rows, _))) => Linear::from_matmul(weights.matmul_part(head_role, 0, Some(rows.clone()), None, device)?),
+                (Some(e), true, None) => Linear::from_matmul(e.as_matmul()),
                 _ => Linear::load(weights, Role::LmHead, None, 0, device)?,
             };
             (Some(RmsNorm::load(weights, Role::FinalNorm, 0, spec, device)?), Some(head))
@@ -110,7 +123,7 @@ impl Shard {
             (None, None)
         };
         let dtype = weights.compute_dtype(device);
-        Ok(Shard { spec: spec.clone(), range, embed: if is_first { embed } else { None }, layers, final_norm, lm_head, device: device.clone(), dtype, tp })
+        Ok(Shard { spec: spec.clone(), range, embed: if is_first { embed } else { None }, layers, final_norm, lm_head, device: device.clone(), dtype, tp, head_part })
     }
 
     pub fn is_first(&self) -> bool {
@@ -189,6 +202,9 @@ impl Shard {
             (Some(norm), Some(head)) => {
                 let x = if all_logits { x } else { x.narrow(1, t - 1, 1)? };
                 let mut logits = head.forward(&norm.forward(&x)?)?.squeeze(0)?.to_dtype(DType::F32)?;
+                if let (Some((rows, total)), Some(m)) = (&self.head_part, &self.tp) {
+                    logits = super::tp::gather_logits(&logits, rows.clone(), *total, &*m.reduce)?;
+                }
                 if let Some(cap) = self.spec.final_logit_softcap {
                     logits = ((logits / cap)?.tanh()? * cap)?;
                 }

@@ -6,7 +6,7 @@
 use shoal_proto::v1::{self, control_request, control_response, forward_request, forward_response};
 use shoal_proto::WIRE_VERSION;
 
-use super::wire::{check_len, WireError, MAX_ERROR_BYTES, MAX_HIDDEN_SIZE, MAX_STRING_BYTES};
+use super::wire::{check_count, check_len, WireError, MAX_ERROR_BYTES, MAX_HIDDEN_SIZE, MAX_STRING_BYTES};
 
 /// Checks an inbound request before the application sees it.
 pub fn check_request(request: &v1::ControlRequest) -> Result<(), WireError> {
@@ -16,6 +16,27 @@ pub fn check_request(request: &v1::ControlRequest) -> Result<(), WireError> {
     match request.body.as_ref().ok_or(WireError::Missing("request.body"))? {
         control_request::Body::Forward(forward) => check_forward_request(forward),
         control_request::Body::Release(_) => Ok(()),
+        control_request::Body::Invite(i) => {
+            if i.version != WIRE_VERSION {
+                return Err(WireError::Version { got: i.version });
+            }
+            check_count("invite.transports", &i.transports, 8)?;
+            for s in [&i.model, &i.epoch_leader, &i.host_id, &i.shm_path, &i.tcp_addr, &i.token] {
+                check_len("invite", s, MAX_STRING_BYTES * 4)?;
+            }
+            Ok(())
+        }
+        control_request::Body::Frame(f) => {
+            if f.version != WIRE_VERSION {
+                return Err(WireError::Version { got: f.version });
+            }
+            check_len("frame.model", &f.model, MAX_STRING_BYTES)?;
+            check_len("frame.epoch_leader", &f.epoch_leader, MAX_STRING_BYTES)?;
+            if f.data.len() % 4 != 0 {
+                return Err(WireError::OutOfRange { field: "frame.data" });
+            }
+            Ok(())
+        }
     }
 }
 
@@ -31,11 +52,12 @@ pub fn check_response(response: &v1::ControlResponse) -> Result<(), WireError> {
             }
             match forward.output.as_ref().ok_or(WireError::Missing("forward.output"))? {
                 forward_response::Output::Hidden(hidden) => check_hidden(hidden),
-                forward_response::Output::Token(_) => Ok(()),
+                forward_response::Output::Token(_) | forward_response::Output::Ack(_) => Ok(()),
                 forward_response::Output::Error(e) => check_len("forward.error.message", &e.message, MAX_ERROR_BYTES),
             }
         }
-        control_response::Body::Released(_) => Ok(()),
+        control_response::Body::Released(_) | control_response::Body::FrameAck(_) => Ok(()),
+        control_response::Body::Answer(a) => check_count("answer.established", &a.established, 8),
         control_response::Body::Error(e) => check_len("response.error.message", &e.message, MAX_ERROR_BYTES),
     }
 }

@@ -26,6 +26,8 @@ pub const MAX_MODELS: usize = 64;
 pub const MAX_MEMBERS: usize = 256;
 /// No model has more layers than this.
 pub const MAX_LAYERS: u32 = 4096;
+/// Tensor-parallel units beyond this are clamped (no group is that large).
+pub const MAX_TP_UNITS: u32 = 4096;
 /// Widest hidden state accepted.
 pub const MAX_HIDDEN_SIZE: u32 = 1 << 16;
 
@@ -75,7 +77,7 @@ pub(super) fn check_len(field: &'static str, s: &str, max: usize) -> Result<(), 
     Ok(())
 }
 
-fn check_count<T>(field: &'static str, v: &[T], max: usize) -> Result<(), WireError> {
+pub(super) fn check_count<T>(field: &'static str, v: &[T], max: usize) -> Result<(), WireError> {
     if v.len() > max {
         return Err(WireError::TooMany { field, len: v.len(), max });
     }
@@ -179,6 +181,31 @@ fn footprint_to_proto(f: &ModelFootprint) -> v1::ModelFootprint {
         bytes_per_layer: f.bytes_per_layer,
         embedding_bytes: f.embedding_bytes,
         head_bytes: f.head_bytes,
+        // Unit counts come from a model's heads and blocks, far below u32::MAX.
+        tp_head_units: u32::try_from(f.tp.heads).unwrap_or(u32::MAX),
+        tp_ffn_units: u32::try_from(f.tp.ffn).unwrap_or(u32::MAX),
+        strategy: f.strategy.map_or(v1::Strategy::Unspecified, strategy_to_proto) as i32,
+    }
+}
+
+fn strategy_to_proto(s: Strategy) -> v1::Strategy {
+    match s {
+        Strategy::Single => v1::Strategy::Single,
+        Strategy::Pipeline => v1::Strategy::Pipeline,
+        Strategy::Tensor => v1::Strategy::Tensor,
+        Strategy::Hybrid => v1::Strategy::Hybrid,
+    }
+}
+
+/// `None` for UNSPECIFIED; an unknown value is an error.
+fn strategy_from_proto(field: &'static str, value: i32) -> Result<Option<Strategy>, WireError> {
+    match v1::Strategy::try_from(value) {
+        Ok(v1::Strategy::Unspecified) => Ok(None),
+        Ok(v1::Strategy::Single) => Ok(Some(Strategy::Single)),
+        Ok(v1::Strategy::Pipeline) => Ok(Some(Strategy::Pipeline)),
+        Ok(v1::Strategy::Tensor) => Ok(Some(Strategy::Tensor)),
+        Ok(v1::Strategy::Hybrid) => Ok(Some(Strategy::Hybrid)),
+        Err(_) => Err(WireError::OutOfRange { field }),
     }
 }
 
@@ -192,7 +219,9 @@ fn footprint_from_proto(f: v1::ModelFootprint) -> Result<ModelFootprint, WireErr
     if total.is_none() {
         return Err(WireError::OutOfRange { field: "wants.bytes" });
     }
-    Ok(ModelFootprint { model: f.model, layers: f.layers as usize, bytes_per_layer: f.bytes_per_layer, embedding_bytes: f.embedding_bytes, head_bytes: f.head_bytes })
+    let strategy = strategy_from_proto("wants.strategy", f.strategy)?;
+    let tp = crate::cluster::TpUnits { heads: f.tp_head_units.min(MAX_TP_UNITS) as usize, ffn: f.tp_ffn_units.min(MAX_TP_UNITS) as usize };
+    Ok(ModelFootprint { model: f.model, layers: f.layers as usize, bytes_per_layer: f.bytes_per_layer, embedding_bytes: f.embedding_bytes, head_bytes: f.head_bytes, tp, strategy })
 }
 
 fn plan_to_proto(p: &Plan) -> v1::Plan {
@@ -240,10 +269,7 @@ fn plan_from_proto(p: v1::Plan) -> Result<Plan, WireError> {
 }
 
 fn placement_to_proto(p: &Placement) -> v1::Placement {
-    let strategy = match p.strategy {
-        Strategy::Single => v1::Strategy::Single,
-        Strategy::Pipeline => v1::Strategy::Pipeline,
-    };
+    let strategy = strategy_to_proto(p.strategy);
     let stages = p
         .stages
         .iter()
@@ -251,18 +277,19 @@ fn placement_to_proto(p: &Placement) -> v1::Placement {
             node: s.node.clone(),
             // Stages made here lie within a model's layers, far below u32::MAX.
             layers: Some(v1::LayerRange { start: u32::try_from(s.start).unwrap_or(u32::MAX), end: u32::try_from(s.end).unwrap_or(u32::MAX) }),
+            group: s.group.clone(),
         })
         .collect();
     v1::Placement { strategy: strategy as i32, stages }
 }
 
-/// Stages must be contiguous from layer 0, each non-empty, each on a member of the plan.
+/// Stages must be contiguous from layer 0, each non-empty, each on a member of the plan; a
+/// node appears in at most one stage (as its node or in its group).
 fn placement_from_proto(p: v1::Placement, members: &BTreeSet<&str>) -> Result<Placement, WireError> {
-    let strategy = match v1::Strategy::try_from(p.strategy) {
-        Ok(v1::Strategy::Single) => Strategy::Single,
-        Ok(v1::Strategy::Pipeline) => Strategy::Pipeline,
-        _ => return Err(WireError::OutOfRange { field: "placement.strategy" }),
+    let Some(strategy) = strategy_from_proto("placement.strategy", p.strategy)? else {
+        return Err(WireError::OutOfRange { field: "placement.strategy" });
     };
+    let mut seen = BTreeSet::new();
     if p.stages.is_empty() {
         return Err(WireError::Missing("placement.stages"));
     }
@@ -279,7 +306,17 @@ fn placement_from_proto(p: v1::Placement, members: &BTreeSet<&str>) -> Result<Pl
             return Err(WireError::BadLayers { field: "placement.stages", detail: format!("[{}, {}) after layer {next}", range.start, range.end) });
         }
         next = range.end;
-        stages.push(Stage { node: stage.node, start: range.start as usize, end: range.end as usize });
+        check_count("placement.stages.group", &stage.group, MAX_MEMBERS)?;
+        for id in std::iter::once(&stage.node).chain(&stage.group) {
+            check_id("placement.stages.group", id)?;
+            if !members.contains(id.as_str()) {
+                return Err(WireError::BadId { field: "placement.stages.group" });
+            }
+            if !seen.insert(id.clone()) {
+                return Err(WireError::Duplicate { field: "placement.stages" });
+            }
+        }
+        stages.push(Stage { node: stage.node, start: range.start as usize, end: range.end as usize, group: stage.group });
     }
     Ok(Placement { strategy, stages })
 }

@@ -2,6 +2,8 @@
 //! gossips our advert every `advert_every` (and at once when we publish a plan), persists the
 //! highest round, loads and unloads this node's stages as plans change (unchanged ranges keep
 //! their weights), answers inbound pipeline steps, and starts generations for the API.
+//! A tensor-parallel stage is formed afresh under each plan: its data-plane links are set up
+//! over the control plane (`tp_group`), then its slice loads on the stage thread.
 //! Its loop serves cancellation first, then commands, then network events, then the timer.
 
 use std::collections::{BTreeMap, HashMap};
@@ -15,8 +17,11 @@ use tokio_util::sync::CancellationToken;
 
 use super::entry::{self, GenerateRequest, TokenEvent};
 use super::forward::{self, HopContext};
+use super::tp_group::{self, DataplaneConfig, GroupOrder, LinkBook};
 use super::SwarmError;
-use crate::cluster::{ClusterConfig, ClusterEvent, ClusterState, Input, ModelFootprint, NodeAdvert, Output, Plan};
+use crate::cluster::{ClusterConfig, ClusterEvent, ClusterState, Epoch, Input, ModelFootprint, NodeAdvert, Output, Plan, Strategy, TpUnits};
+use crate::dataplane::LinkGroup;
+use crate::engine::tp::{TpMember, TpShape, TpSlice};
 use crate::engine::model::ModelSource;
 use crate::engine::stage_host::StageHost;
 use crate::engine::LayerRange;
@@ -34,6 +39,26 @@ pub struct SwarmConfig {
     pub hop_deadline: Duration,
     /// Where this node's stages compute (the CPU, or a GPU).
     pub device: crate::engine::device::ComputeDevice,
+    /// The strategy this node's operator pinned for the models it asks for (`None`: auto).
+    pub strategy: Option<Strategy>,
+    /// Where this node's data-plane TCP listeners bind (its address towards its peers).
+    pub dataplane_ip: std::net::IpAddr,
+    /// Offer only these data-plane transports (tests and diagnosis); `None`: all this host has.
+    pub dataplane_transports: Option<Vec<crate::dataplane::Transport>>,
+}
+
+/// Longest wait of one all-reduce of a tensor group in `serve` (at most the hop deadline).
+const ALL_REDUCE_DEADLINE: Duration = Duration::from_secs(30);
+
+/// How long forming a group's links may take (peers may still be applying the plan).
+const FORM_WAIT: Duration = Duration::from_secs(60);
+
+/// What this node runs of one model: a layer range, alone or as a member of a tensor group.
+#[derive(Debug, Clone, PartialEq)]
+struct StageKey {
+    range: LayerRange,
+    /// For a group: the plan that formed it, our rank and every member in rank order.
+    group: Option<(Epoch, usize, Vec<String>)>,
 }
 
 /// What `/v1/cluster` shows.
@@ -114,8 +139,23 @@ pub fn spawn(config: SwarmConfig, net: NetHandle, mut net_events: mpsc::Receiver
     // The plan in force, read by pipeline tasks without a round trip through the loop.
     let (plan_tx, plan_rx) = watch::channel::<Option<Arc<Plan>>>(None);
     // Stage loads report back here from the stage thread.
-    let (stage_done_tx, mut stage_done) = mpsc::unbounded_channel::<(String, LayerRange, Result<(), String>)>();
-    let hop = HopContext { me: config.advert.id.clone(), net: net.clone(), stages: StageHost::spawn(config.device.clone()), plan: plan_rx, hop_deadline: config.hop_deadline };
+    let (stage_done_tx, mut stage_done) = mpsc::unbounded_channel::<(String, StageKey, Result<(), String>)>();
+    let mut offer = crate::dataplane::negotiate::local_offer();
+    if let Some(only) = &config.dataplane_transports {
+        offer.transports.retain(|t| only.contains(t));
+    }
+    let dataplane = DataplaneConfig { offer, ip: config.dataplane_ip };
+    let hop = HopContext {
+        me: config.advert.id.clone(),
+        net: net.clone(),
+        stages: StageHost::spawn(config.device.clone()),
+        plan: plan_rx,
+        hop_deadline: config.hop_deadline,
+        links: LinkBook::default(),
+        frames: Default::default(),
+        order: GroupOrder::default(),
+        dataplane,
+    };
     let mut actor = Coordinator { config, state, net, hop, plan_tx, loaded: HashMap::new(), stage_done_tx, rtt: BTreeMap::new(), started: Instant::now(), persisted_round: highest_round };
     tokio::spawn(async move {
         let mut ticker = tokio::time::interval(actor.config.advert_every);
@@ -131,7 +171,7 @@ pub fn spawn(config: SwarmConfig, net: NetHandle, mut net_events: mpsc::Receiver
                     Some(e) => actor.net_event(e),
                     None => break,
                 },
-                Some((model, range, result)) = stage_done.recv() => actor.stage_loaded(model, range, result),
+                Some((model, key, result)) = stage_done.recv() => actor.stage_loaded(model, key, result),
                 _ = ticker.tick() => {
                     actor.input(Input::Tick);
                     actor.publish_advert();
@@ -149,9 +189,10 @@ struct Coordinator {
     hop: HopContext,
     /// Publishes each new plan in force to pipeline tasks (`HopContext::plan`).
     plan_tx: watch::Sender<Option<Arc<Plan>>>,
-    /// The range loaded (or loading) per model on this node, and how its load went.
-    loaded: HashMap<String, (LayerRange, StageState)>,
-    stage_done_tx: mpsc::UnboundedSender<(String, LayerRange, Result<(), String>)>,
+    /// What is loaded (or loading) per model on this node, and how its load went.
+    loaded: HashMap<String, (StageKey, StageState)>,
+    /// Load (and group formation) results, back from their tasks and the stage thread.
+    stage_done_tx: mpsc::UnboundedSender<(String, StageKey, Result<(), String>)>,
     rtt: BTreeMap<String, f64>,
     started: Instant,
     persisted_round: u64,
@@ -168,7 +209,8 @@ impl Coordinator {
                 // The entry waits for a plan that places the model (`serve_only` asked for it).
                 tokio::spawn(entry::run(self.hop.clone(), request, events));
             }
-            Command::ServeOnly { path, footprint } => {
+            Command::ServeOnly { path, mut footprint } => {
+                footprint.strategy = self.config.strategy;
                 self.config.models.insert(footprint.model.clone(), path);
                 let now = self.now();
                 let mut out = self.state.set_local_models(self.config.models.keys().cloned().collect(), now);
@@ -177,7 +219,7 @@ impl Coordinator {
             }
             Command::Snapshot { reply } => {
                 let members = self.state.alive().iter().filter_map(|id| self.state.advert_of(id).cloned()).collect();
-                let stages = self.loaded.iter().map(|(m, (r, st))| (m.clone(), StageStatus { start: r.start, end: r.end, state: st.clone() })).collect();
+                let stages = self.loaded.iter().map(|(m, (k, st))| (m.clone(), StageStatus { start: k.range.start, end: k.range.end, state: st.clone() })).collect();
                 let _ = reply.send(ClusterSnapshot {
                     me: self.state.id().clone(),
                     leader: self.state.leader().clone(),
@@ -201,10 +243,10 @@ impl Coordinator {
             NetEvent::Rtt { peer, rtt } => {
                 self.rtt.insert(peer.to_string(), rtt.as_secs_f64() * 1e3);
             }
-            NetEvent::Request { request, reply, .. } => {
+            NetEvent::Request { from, request, reply } => {
                 let hop = self.hop.clone();
                 tokio::spawn(async move {
-                    let _ = reply.send(forward::serve(&hop, request).await);
+                    let _ = reply.send(forward::serve(&hop, from, request).await);
                 });
             }
             NetEvent::Listening(_) => {}
@@ -253,11 +295,14 @@ impl Coordinator {
         if !changed {
             return;
         }
-        let mut mine: HashMap<String, LayerRange> = HashMap::new();
+        let mut mine: HashMap<String, StageKey> = HashMap::new();
         if let Some(plan) = &plan {
             for (model, placement) in &plan.placements {
-                if let Some(stage) = placement.as_ref().ok().and_then(|p| p.stages.iter().find(|s| s.node == *self.state.id())) {
-                    mine.insert(model.clone(), LayerRange::new(stage.start, stage.end));
+                let Some(p) = placement.as_ref().ok() else { continue };
+                if let Some((index, rank)) = p.stage_of(self.state.id()) {
+                    let stage = &p.stages[index];
+                    let group = (stage.tp_size() > 1).then(|| (plan.epoch.clone(), rank, stage.members().cloned().collect()));
+                    mine.insert(model.clone(), StageKey { range: LayerRange::new(stage.start, stage.end), group });
                 }
             }
         }
@@ -267,29 +312,53 @@ impl Coordinator {
             self.hop.stages.unload(model.clone());
             self.loaded.remove(&model);
         }
-        for (model, range) in &mine {
-            if self.loaded.get(model).is_some_and(|(r, _)| r == range) {
+        for (model, key) in &mine {
+            if self.loaded.get(model).is_some_and(|(k, _)| k == key) {
                 continue;
             }
             let Some(path) = self.config.models.get(model).cloned() else {
                 tracing::warn!(target: "shoal::cluster", %model, "the plan gives this node a stage of a model it does not have");
                 continue;
             };
-            let (label, range_done, done) = (model.clone(), *range, self.stage_done_tx.clone());
-            tracing::info!(target: "shoal::cluster", event = "stage_loading", %model, start = range.start, end = range.end);
-            self.hop.stages.load(model.clone(), path, *range, Box::new(move |r| {
-                let _ = done.send((label, range_done, r.map_err(|e| e.to_string())));
-            }));
-            self.loaded.insert(model.clone(), (*range, StageState::Loading));
+            let range = key.range;
+            tracing::info!(target: "shoal::cluster", event = "stage_loading", %model, start = range.start, end = range.end, group = ?key.group.as_ref().map(|g| (g.1, g.2.len())));
+            let (label, key_done, done) = (model.clone(), key.clone(), self.stage_done_tx.clone());
+            let reply: Box<dyn FnOnce(crate::engine::Result<()>) + Send> = Box::new(move |r| {
+                let _ = done.send((label, key_done, r.map_err(|e| e.to_string())));
+            });
+            match &key.group {
+                None => self.hop.stages.load(model.clone(), path, range, None, reply),
+                Some((epoch, rank, members)) => {
+                    // The old slice's group is gone: steps fail fast until the new one loads.
+                    self.hop.stages.unload(model.clone());
+                    let (hop, model, epoch, rank, members) = (self.hop.clone(), model.clone(), epoch.clone(), *rank, members.clone());
+                    let deadline = self.config.hop_deadline.min(ALL_REDUCE_DEADLINE);
+                    tokio::spawn(async move {
+                        let links = match tp_group::form(&hop, &model, &epoch, rank, &members, FORM_WAIT).await {
+                            Ok(l) => l,
+                            Err(e) => return reply(Err(crate::engine::EngineError::Shard(format!("forming the tensor group: {e}")))),
+                        };
+                        let group = match LinkGroup::new(rank, links, deadline) {
+                            Ok(g) => Arc::new(g),
+                            Err(e) => return reply(Err(crate::engine::EngineError::Shard(e.to_string()))),
+                        };
+                        tracing::info!(target: "shoal::dataplane", event = "group_formed", %model, rank, size = members.len(), transports = ?group.transports());
+                        let member = TpMember { slice: TpSlice { rank, size: members.len() }, reduce: group };
+                        hop.stages.load(model, path, range, Some(member), reply);
+                    });
+                }
+            }
+            self.loaded.insert(model.clone(), (key.clone(), StageState::Loading));
         }
         self.plan_tx.send_replace(plan.map(Arc::new));
     }
 
-    fn stage_loaded(&mut self, model: String, range: LayerRange, result: Result<(), String>) {
+    fn stage_loaded(&mut self, model: String, key: StageKey, result: Result<(), String>) {
         let Some((current, state)) = self.loaded.get_mut(&model) else { return };
-        if *current != range {
+        if *current != key {
             return; // a later plan moved this stage while it loaded
         }
+        let range = key.range;
         match result {
             Ok(()) => {
                 tracing::info!(target: "shoal::cluster", event = "stage_ready", %model, start = range.start, end = range.end);
@@ -316,7 +385,9 @@ impl Coordinator {
 fn footprint(model: &str, path: &std::path::Path) -> Result<ModelFootprint, SwarmError> {
     let source = ModelSource::open(path).map_err(|e| SwarmError::Model { model: model.to_string(), reason: e.to_string() })?;
     let (bytes_per_layer, embedding_bytes, head_bytes) = source.footprint_bytes();
-    Ok(ModelFootprint { model: model.to_string(), layers: source.spec.num_layers, bytes_per_layer, embedding_bytes, head_bytes })
+    // A model whose header does not say how it splits is placed only whole or by layers.
+    let (heads, ffn) = TpShape::of(&source.weights, &source.spec).map(|s| s.units()).unwrap_or((0, 0));
+    Ok(ModelFootprint { model: model.to_string(), layers: source.spec.num_layers, bytes_per_layer, embedding_bytes, head_bytes, tp: TpUnits { heads, ffn }, strategy: None })
 }
 
 pub(super) fn peer_of(node: &str) -> Option<PeerId> {

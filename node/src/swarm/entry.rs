@@ -88,6 +88,7 @@ pub async fn run(hop: HopContext, request: GenerateRequest, events: mpsc::Sender
                         let seen = &tokens[..position + input.len()];
                         seen[seen.len().saturating_sub(request.sampling.penalty_window)..].to_vec()
                     },
+                    group_seq: 0,
                 };
                 // While rebuilding after a failure, a step (e.g. one waiting for a stage to load)
                 // may take only what is left of the patience, so the client hears in time.
@@ -157,10 +158,10 @@ fn patience(request: &GenerateRequest, generated: usize) -> Duration {
 async fn release_everywhere(hop: &HopContext, model: &str, request_id: u64) {
     let plan = hop.plan.borrow().clone();
     let Some(Ok(placement)) = plan.as_ref().and_then(|p| p.placements.get(model)).cloned() else { return };
-    for stage in placement.stages {
-        if stage.node == hop.me {
+    for node in placement.stages.iter().flat_map(|s| s.members()) {
+        if *node == hop.me {
             hop.stages.release(model.to_string(), request_id);
-        } else if let Some(peer) = super::coordinator::peer_of(&stage.node) {
+        } else if let Some(peer) = super::coordinator::peer_of(node) {
             let release = v1::ControlRequest { version: shoal_proto::WIRE_VERSION, body: Some(v1::control_request::Body::Release(v1::Release { request_id })) };
             let _ = hop.net.request(peer, release, Duration::from_millis(500)).await;
         }

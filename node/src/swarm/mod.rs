@@ -6,6 +6,8 @@
 mod coordinator;
 mod entry;
 mod forward;
+mod p2p_link;
+mod tp_group;
 
 pub use coordinator::{spawn, ClusterSnapshot, StageState, StageStatus, SwarmConfig, SwarmHandle};
 pub use entry::{GenerateRequest, TokenEvent};

@@ -1,0 +1,111 @@
+//! Tensor parallelism in `shoal serve`: real processes on loopback (static peers, no mDNS)
+//! pinned to `--strategy tensor` place a model as one group of two, set up their data plane
+//! over the control plane (shared memory on this host), and serve a greedy completion equal to
+//! one node's; `/v1/cluster` shows the group and the cost model's prediction beside the
+//! measurement. A pinned strategy the swarm cannot honour is a clear error, not a hang. With
+//! only the libp2p stream offered (`--dataplane libp2p`), frames travel as control RPCs and the
+//! text is the same.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+#[path = "api/fixture.rs"]
+#[allow(dead_code)]
+mod fixture;
+
+use fixture::{block_on, get, post, Node, GEMMA};
+
+/// The node's swarm address with its peer id, from its start-up lines.
+fn swarm_addr(node: &Node) -> String {
+    let started = Instant::now();
+    loop {
+        if let Some(a) = node.stderr().lines().find_map(|l| l.strip_prefix("swarm listening on ").map(str::to_string)) {
+            return a;
+        }
+        assert!(started.elapsed() < Duration::from_secs(20), "no swarm address; stderr:\n{}", node.stderr());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn complete(node: &Node, prompt: &str, n: usize) -> (u16, Value) {
+    let body = json!({"model": GEMMA, "prompt": prompt, "max_tokens": n, "temperature": 0}).to_string();
+    block_on(post(&node.url("/v1/completions"), &body))
+}
+
+#[test]
+fn a_pinned_tensor_group_of_two_serve_processes_equals_one_node() {
+    // nextest runs each test in its own process: the nodes inherit this and log their links.
+    std::env::set_var("SHOAL_LOG", "warn,shoal::dataplane=info");
+    let prompt = "The three primary colours are";
+    let single = Node::start(&["serve"]);
+    let (status, want) = complete(&single, prompt, 24);
+    assert_eq!(status, 200, "{want}");
+    drop(single);
+
+    // A single pinned-tensor node cannot place the model: a clear error, not a hang.
+    let a = Node::start(&["serve", "--strategy", "tensor"]);
+    let (status, err) = complete(&a, prompt, 4);
+    assert_ne!(status, 200, "{err}");
+    assert!(err["error"]["message"].as_str().unwrap_or("").contains("at least 2 nodes"), "{err}");
+
+    let b = Node::start(&["serve", "--strategy", "tensor", "--peer", &swarm_addr(&a)]);
+    let started = Instant::now();
+    let got = loop {
+        let (status, got) = complete(&a, prompt, 24);
+        if status == 200 {
+            break got;
+        }
+        // Until B has joined and the group has loaded, the plan may still be the old error.
+        assert!(started.elapsed() < Duration::from_secs(120), "no tensor-parallel completion: {got}\nA:\n{}\nB:\n{}", a.stderr(), b.stderr());
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert_eq!(got["choices"][0]["text"], want["choices"][0]["text"], "a tensor group of two must give one node's greedy text");
+    assert_eq!(got["usage"]["completion_tokens"], want["usage"]["completion_tokens"]);
+
+    let (_, cluster) = block_on(get(&a.url("/v1/cluster")));
+    let plan = cluster["plans"].as_array().and_then(|p| p.iter().find(|p| p["model"] == GEMMA)).unwrap_or_else(|| panic!("no plan for {GEMMA}: {cluster}"));
+    assert_eq!(plan["strategy"], "tensor", "{cluster}");
+    assert!(plan["predicted_tok_s"].as_f64().is_some_and(|t| t > 0.0) && plan["measured_tok_s"].as_f64().is_some_and(|t| t > 0.0), "prediction beside measurement: {plan}");
+    let stage = &plan["stages"][0];
+    let mut members = vec![stage["node"].as_str().unwrap().to_string(), stage["group"][0].as_str().unwrap_or_default().to_string()];
+    members.sort();
+    let mut ids = vec![a.id.clone(), b.id.clone()];
+    ids.sort();
+    assert_eq!(members, ids, "both nodes are members of the group: {cluster}");
+    // Both members set up shared memory (same host), fastest first.
+    for node in [&a, &b] {
+        let log = node.stderr();
+        let formed = log.lines().find(|l| l.contains("group_formed")).unwrap_or_else(|| panic!("no group_formed event:\n{log}"));
+        assert!(formed.contains("Shm"), "shared memory is the group's first transport on one host: {formed}");
+    }
+}
+
+#[test]
+fn a_tensor_group_whose_only_common_transport_is_the_libp2p_stream_still_equals_one_node() {
+    std::env::set_var("SHOAL_LOG", "warn,shoal::dataplane=info");
+    // A prompt without near-ties (see tensor_parallel's Gemma test for one with a tie).
+    let prompt = "The three primary colours are";
+    let single = Node::start(&["serve"]);
+    let (status, want) = complete(&single, prompt, 16);
+    assert_eq!(status, 200, "{want}");
+    drop(single);
+
+    let a = Node::start(&["serve", "--strategy", "tensor", "--dataplane", "libp2p"]);
+    let b = Node::start(&["serve", "--strategy", "tensor", "--dataplane", "libp2p", "--peer", &swarm_addr(&a)]);
+    let started = Instant::now();
+    let got = loop {
+        let (status, got) = complete(&a, prompt, 16);
+        if status == 200 {
+            break got;
+        }
+        assert!(started.elapsed() < Duration::from_secs(120), "no tensor-parallel completion: {got}\nA:\n{}\nB:\n{}", a.stderr(), b.stderr());
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert_eq!(got["choices"][0]["text"], want["choices"][0]["text"], "frames over the control plane's stream give one node's greedy text");
+    for node in [&a, &b] {
+        let log = node.stderr();
+        let formed = log.lines().find(|l| l.contains("group_formed")).unwrap_or_else(|| panic!("no group_formed event:\n{log}"));
+        assert!(formed.contains("Libp2p") && !formed.contains("Shm") && !formed.contains("Tcp"), "only the libp2p stream was offered: {formed}");
+    }
+}
