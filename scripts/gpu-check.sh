@@ -3,13 +3,14 @@
 # benchmarks against Hugging Face transformers, and a mixed CPU + GPU swarm. Model weights are
 # generated there (scripts/make-random-model.py, real shapes, random values); only the binaries
 # and tokenizer.json travel.
-#   scripts/gpu-check.sh fidelity   fixtures vs transformers on the GPU; Qwen2.5-1.5B-shaped
+#   scripts/gpu-check.sh fidelity [fixtures]   fixtures vs transformers on the GPU; Qwen2.5-1.5B-shaped
 #                                   f16 and Q4_K_M: 16 greedy tokens on the GPU equal the CPU's
 #   scripts/gpu-check.sh bench [q15] [q7]   shoal bench (f16, Q4_K_M) for 1.5B and 7B shapes vs
 #                                   transformers f16 on the same GPU, one run, printed as a table
 #   scripts/gpu-check.sh swarm      a CUDA node and two CPU-only nodes (network namespaces when
 #                                   `ip netns` works, loopback otherwise) serve one model; the
 #                                   plan and the output are compared with one node
+#   scripts/gpu-check.sh models [q15] [q7]   only generate (and quantize) the models
 # Environment: SHOAL_BIN (default .gpu/shoal), DEVICE_CHECK (.gpu/device_check), TOKENIZER
 # (.gpu/tokenizer.json), WORK (/tmp/shoal-gpu: generated models, kept between stages), OUT.
 set -uo pipefail
@@ -27,6 +28,8 @@ for lib in /usr/local/cuda/lib64 /usr/local/cuda-13.0/targets/x86_64-linux/lib /
   [[ -d $lib ]] && export LD_LIBRARY_PATH="$lib:${LD_LIBRARY_PATH:-}"
 done
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+# A machine without iproute2 can be lent one (a wrapper with its libraries, see the README).
+[[ -x $here/.gpu/netns/ip ]] && ! command -v ip >/dev/null && export PATH="$here/.gpu/netns:$PATH"
 fail=0
 
 model() { # model NAME SHAPE [--peaky]: a generated f16 HF dir and its Q4_K_M GGUF
@@ -41,6 +44,7 @@ model() { # model NAME SHAPE [--peaky]: a generated f16 HF dir and its Q4_K_M GG
 
 fidelity() {
   "$CHECK" fixtures "$here/tests/fixtures" --device cuda || fail=1
+  [[ ${1:-} == fixtures ]] && return
   model q15 qwen2.5-1.5b --peaky || { echo "FAIL making the 1.5B model"; fail=1; return; }
   "$CHECK" same "$WORK/q15-f16" --device cuda --tokens 16 || fail=1
   "$CHECK" same "$WORK/q15-q4km/model.gguf" --device cuda --tokens 16 || fail=1
@@ -79,7 +83,8 @@ PY
 
 swarm() {
   model q15 qwen2.5-1.5b --peaky || { fail=1; return; }
-  local m="$WORK/q15-q4km/model.gguf" prompt="Once upon a time" n=24
+  # f16 weights: the GPU computes in f16, the CPUs in f32, and greedy still agrees (fidelity).
+  local m="$WORK/q15-f16" prompt="Once upon a time" n=16
   local one_gpu one_cpu
   one_gpu=$("$BIN" run --model "$m" --device cuda --prompt "$prompt" --max-tokens $n 2>/dev/null)
   one_cpu=$("$BIN" run --model "$m" --device cpu --prompt "$prompt" --max-tokens $n 2>/dev/null)
@@ -89,14 +94,21 @@ swarm() {
   else
     ips=(127.0.0.1 127.0.0.1 127.0.0.1); echo "no network namespaces here: loopback with --peer"
   fi
-  local devices=(cuda cpu cpu) limits=(500MB 400MB 400MB) pids=()
+  # 3.55 GB placed (the tied embedding counts twice): no node holds it alone; the GPU gets
+  # all its 1.8 GB allows.
+  local devices=(cuda cpu cpu) limits=(1.8GB 1.2GB 1.2GB) pids=() first=""
   for i in 0 1 2; do
     local args=(serve --data-dir "$WORK/node$i" --model "$m" --device "${devices[$i]}" --memory-limit "${limits[$i]}" --max-queue 4)
+    rm -rf "$WORK/node$i"
     if [[ ${#ns[@]} -gt 0 ]]; then
       ip netns exec "${ns[$i]}" "$BIN" "${args[@]}" --host 0.0.0.0 > "$OUT/node$i.log" 2>&1 &
     else
-      local peer=(); [[ $i -gt 0 ]] && peer=(--peer /ip4/127.0.0.1/tcp/53400)
+      local peer=(); [[ -n $first ]] && peer=(--peer "$first")
       "$BIN" "${args[@]}" --host 127.0.0.1 --api-port $((52500 + i)) --no-discovery --listen /ip4/127.0.0.1/tcp/$((53400 + i)) "${peer[@]}" > "$OUT/node$i.log" 2>&1 &
+      # The others dial the first node by its full address (with its /p2p/ id).
+      for _ in $(seq 1 600); do
+        first=$(grep -o '/ip4/127.0.0.1/tcp/53400/p2p/[A-Za-z0-9]*' "$OUT/node0.log" | head -1); [[ -n $first ]] && break; sleep 0.1
+      done
     fi
     pids+=($!)
   done
@@ -106,7 +118,7 @@ ip, port, ns, prompt, n, one_gpu, one_cpu, out = sys.argv[1:9]
 def http(path, body=None):
     cmd = (["ip", "netns", "exec", ns] if ns else []) + ["python3", "-c",
         "import sys,urllib.request;d=sys.argv[2].encode() if len(sys.argv)>2 else None;"
-        "r=urllib.request.urlopen(urllib.request.Request(sys.argv[1],data=d,headers={'content-type':'application/json'}),timeout=300);print(r.read().decode())",
+        "import urllib.error\ntry: r=urllib.request.urlopen(urllib.request.Request(sys.argv[1],data=d,headers={'content-type':'application/json'}),timeout=300)\nexcept urllib.error.HTTPError as e: r=e\nprint(r.read().decode())",
         f"http://{ip}:{port}{path}"] + ([json.dumps(body)] if body else [])
     return json.loads(subprocess.run(cmd, capture_output=True, text=True, timeout=320).stdout or "null")
 deadline = time.time() + 120
@@ -119,8 +131,11 @@ while time.time() < deadline:
 else:
     print("FAIL: three nodes never agreed"); sys.exit(1)
 t = time.time()
-r = http("/v1/completions", {"model": "model", "prompt": prompt, "max_tokens": int(n), "temperature": 0})
+model = http("/v1/models")["data"][0]["id"]
+r = http("/v1/completions", {"model": model, "prompt": prompt, "max_tokens": int(n), "temperature": 0})
 text = r["choices"][0]["text"] if r and "choices" in r else None
+if text is None:
+    print("no completion:", json.dumps(r)[:400])
 c = http("/v1/cluster")
 json.dump(c, open(f"{out}/cluster.json", "w"), indent=1)
 names = {m["id"]: (m.get("backend"), m.get("memory_available") or 0, m.get("mem_bandwidth") or 0) for m in c["nodes"]}
@@ -138,9 +153,10 @@ PY
 }
 
 case "${1:-}" in
-  fidelity) fidelity ;;
+  fidelity) shift; fidelity "$@" ;;
   bench) shift; bench "$@" ;;
   swarm) swarm ;;
+  models) shift; for s in "$@"; do case $s in q15) model q15 qwen2.5-1.5b --peaky ;; q7) model q7 qwen2.5-7b ;; esac; done ;;
   all) fidelity; bench; swarm ;;
   *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
 esac

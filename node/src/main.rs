@@ -47,6 +47,15 @@ enum Command {
     TpMember(tp_cmd::TpMemberArgs),
 }
 
+/// `--device`, shared by run, serve and bench.
+#[derive(clap::Args)]
+struct DeviceArg {
+    /// Compute device: auto (a CUDA GPU when this build has CUDA and the machine a GPU, else the
+    /// CPU), cpu, cuda or cuda:N.
+    #[arg(long = "device", value_name = "DEVICE", default_value = "auto")]
+    choice: shoal::engine::device::DeviceChoice,
+}
+
 #[derive(clap::Args)]
 struct BenchArgs {
     /// A model id from the cache (`~/.cache/shoal/models/<id>`), a GGUF file or a model directory.
@@ -67,10 +76,8 @@ struct BenchArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
-    /// Compute device: auto (a CUDA GPU when this build has CUDA and the machine a GPU, else the
-    /// CPU), cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
-    device: shoal::engine::device::DeviceChoice,
+    #[command(flatten)]
+    device: DeviceArg,
 }
 
 #[derive(clap::Args)]
@@ -112,10 +119,8 @@ struct ServeArgs {
     /// Do not discover peers by mDNS (only --peer addresses are dialled).
     #[arg(long)]
     no_discovery: bool,
-    /// Compute device: auto (a CUDA GPU when this build has CUDA and the machine a GPU, else the
-    /// CPU), cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
-    device: shoal::engine::device::DeviceChoice,
+    #[command(flatten)]
+    device: DeviceArg,
     /// How the swarm runs the models this node asks for: auto (the cost model's best), single,
     /// pipeline, tensor or hybrid; a pinned strategy that cannot place the model is an error.
     #[arg(long, default_value = "auto", value_parser = parse_strategy)]
@@ -202,10 +207,8 @@ struct RunArgs {
     /// Apply the model's chat template to the prompt as one user message.
     #[arg(long)]
     chat: bool,
-    /// Compute device: auto (a CUDA GPU when this build has CUDA and the machine a GPU, else the
-    /// CPU), cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
-    device: shoal::engine::device::DeviceChoice,
+    #[command(flatten)]
+    device: DeviceArg,
 }
 
 fn main() -> std::process::ExitCode {
@@ -246,7 +249,7 @@ fn run(mut args: RunArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> 
         args.model = store.find(&id).map(|m| m.path).with_context(|| format!("{id}: no such file, and no model with this id here (see `shoal models list`)"))?;
     }
     models_cmd::read_with_progress(&args.model);
-    let device = shoal::engine::device::ComputeDevice::open(args.device)?;
+    let device = shoal::engine::device::ComputeDevice::open(args.device.choice)?;
     let opts = LoadOptions { context_limit: args.context, device, ..LoadOptions::default() };
     let model = LoadedModel::load(&args.model, &opts).with_context(|| format!("loading {}", args.model.display()))?;
     eprintln!(
@@ -308,7 +311,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
             _ => p,
         }
     };
-    let device = shoal::engine::device::ComputeDevice::open(args.device)?;
+    let device = shoal::engine::device::ComputeDevice::open(args.device.choice)?;
     let model = LoadedModel::load(&path, &LoadOptions { device: device.clone(), ..LoadOptions::default() }).with_context(|| format!("loading {}", path.display()))?;
     let opts = shoal::engine::bench::BenchOptions { prompt_tokens: args.prompt_tokens, gen_tokens: args.gen_tokens, repetitions: args.repetitions, threads, device: Some(device) };
     let r = shoal::engine::bench::run(&model, &opts)?;
@@ -342,7 +345,7 @@ fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> 
     let data_dir = data_dir(data_dir_flag)?;
     let key = shoal::identity::load_or_create(&data_dir)?;
     let cluster_key = args.cluster_key.as_deref().map(shoal::net::load_cluster_key).transpose()?;
-    let device = shoal::engine::device::ComputeDevice::open(args.device)?;
+    let device = shoal::engine::device::ComputeDevice::open(args.device.choice)?;
     let cores = format!("{} {} cores", std::env::consts::ARCH, std::thread::available_parallelism().map_or(1, |n| n.get()));
     let node = NodeInfo {
         id: shoal::identity::node_id(&key),

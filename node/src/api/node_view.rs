@@ -204,7 +204,14 @@ pub async fn cluster(State(app): State<Arc<App>>) -> Json<Value> {
             json!({
                 "model": model, "epoch": epoch, "strategy": p.strategy,
                 "predicted_tok_s": predicted, "measured_tok_s": measured, "predictions": predictions,
-                "stages": p.stages.iter().map(|s| if s.group.is_empty() { json!({"node": s.node, "start": s.start, "end": s.end}) } else { json!({"node": s.node, "start": s.start, "end": s.end, "group": s.group}) }).collect::<Vec<_>>(),
+                "stages": p.stages.iter().map(|s| {
+                    // `group` only for a tensor-parallel stage (its ranks 1..), as in the plan itself.
+                    let mut v = json!({"node": s.node, "start": s.start, "end": s.end});
+                    if !s.group.is_empty() {
+                        v["group"] = json!(s.group);
+                    }
+                    v
+                }).collect::<Vec<_>>(),
             })
         })
         .collect();

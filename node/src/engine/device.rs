@@ -88,7 +88,8 @@ impl ComputeDevice {
         Err(EngineError::Device(format!("cuda:{index}: this shoal was built without CUDA (build with scripts/build-cuda.sh or `--features cuda`)")))
     }
 
-    pub(crate) fn candle(&self) -> &Device {
+    /// The candle device, for code that already works on candle tensors (the engine, tests).
+    pub fn candle(&self) -> &Device {
         &self.device
     }
 
@@ -130,5 +131,35 @@ pub fn compute_dtype(device: &Device, stored: DType) -> DType {
     match (device.is_cpu(), stored) {
         (false, DType::F16 | DType::BF16) => stored,
         _ => DType::F32,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_names_parse_and_bad_ones_say_what_is_accepted() {
+        assert_eq!("auto".parse(), Ok(DeviceChoice::Auto));
+        assert_eq!("CPU".parse(), Ok(DeviceChoice::Cpu));
+        assert_eq!("cuda".parse(), Ok(DeviceChoice::Cuda(0)));
+        assert_eq!("cuda:3".parse(), Ok(DeviceChoice::Cuda(3)));
+        let bad = "cuda:x".parse::<DeviceChoice>().unwrap_err();
+        assert!(bad.contains("cuda:N"), "{bad}");
+        let bad = "metal".parse::<DeviceChoice>().unwrap_err();
+        assert!(bad.contains("auto, cpu, cuda"), "{bad}");
+    }
+
+    #[test]
+    fn auto_always_opens_something_and_the_cpu_computes_in_f32() {
+        let d = ComputeDevice::open(DeviceChoice::Auto).expect("auto never fails");
+        assert_eq!(d.is_gpu(), d.gpu().is_some());
+        assert_eq!(compute_dtype(&Device::Cpu, DType::BF16), DType::F32);
+        assert_eq!(compute_dtype(&Device::Cpu, DType::F16), DType::F32);
+        if !cfg!(feature = "cuda") {
+            let e = ComputeDevice::open(DeviceChoice::Cuda(0)).unwrap_err();
+            assert!(e.to_string().contains("without CUDA"), "{e}");
+            assert_eq!(d.label(), "cpu");
+        }
     }
 }
