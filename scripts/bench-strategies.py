@@ -68,11 +68,17 @@ def main():
             wait("membership", lambda: len(get(urls[0] + "/v1/cluster").get("nodes", [])) == a.nodes, 60)
             model = get(urls[0] + "/v1/models")["data"][0]["id"]
             body = {"model": model, "prompt": bench_swarm.PROMPT, "temperature": 0}
-            try:
-                post(urls[0] + "/v1/completions", dict(body, max_tokens=4))  # places, loads, warms up
-                r = post(urls[0] + "/v1/completions", dict(body, max_tokens=a.tokens))
-            except Exception as e:  # a pinned strategy that cannot place the model says why
-                print(f"{strategy:9} {'-':34} {'-':>15} {'-':>16}  {getattr(e, 'read', lambda: str(e).encode())().decode()[:120]}")
+            r, error = None, None
+            for _ in range(3):  # a plan that changes while stages load (a late joiner) fails a request
+                try:
+                    post(urls[0] + "/v1/completions", dict(body, max_tokens=4))  # places, loads, warms up
+                    r = post(urls[0] + "/v1/completions", dict(body, max_tokens=a.tokens))
+                    break
+                except Exception as e:  # a pinned strategy that cannot place the model says why
+                    error = getattr(e, "read", lambda: str(e).encode())().decode()[:160]
+                    time.sleep(5)
+            if r is None:
+                print(f"{strategy:9} {'-':34} {'-':>15} {'-':>16}  {error}")
                 continue
             plan = get(urls[0] + "/v1/cluster")["plans"][0]
             shape = " | ".join(f"{s['start']}..{s['end']}" + (f" x{len(s['group'])}" if s.get("group") else "") for s in plan["stages"])
