@@ -71,11 +71,20 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$here/target-cuda}"
 (cd "$here" && cargo build --release --features cuda --bin shoal --example device_check "$@" >&2)
 bin="$CARGO_TARGET_DIR/release/shoal"
 strip "$bin" "$CARGO_TARGET_DIR/release/examples/device_check"
-# .gpu/ (git-ignored) is what travels to a GPU machine: both binaries gzipped, and the Qwen
-# tokenizer for the generated models (scripts/gpu-check.sh unpacks them there).
+# .gpu/ (git-ignored) is what travels to a GPU machine: both binaries gzipped, the Qwen tokenizer
+# for the generated models, and `ip` (scripts/gpu-check.sh unpacks and uses them there).
 mkdir -p "$here/.gpu"
 gzip -c "$bin" > "$here/.gpu/shoal.gz"
 gzip -c "$CARGO_TARGET_DIR/release/examples/device_check" > "$here/.gpu/device_check.gz"
 tok="${SHOAL_MODEL_CACHE:-$HOME/.cache/shoal/models}/qwen2.5-coder-1.5b/tokenizer.json"
 [[ -f $tok ]] && cp "$tok" "$here/.gpu/tokenizer.json"
+# iproute2's `ip` with the libraries it needs beyond libc, behind a wrapper: GPU machines without
+# it can still run the mixed swarm in network namespaces (scripts/gpu-check.sh swarm).
+if ip=$(command -v ip); then
+  mkdir -p "$here/.gpu/netns/lib"
+  cp "$ip" "$here/.gpu/netns/ip.bin"
+  ldd "$ip" | awk '$3 ~ /^\// {print $3}' | grep -vE '/(libc|libm|libz|ld-linux[^/]*)\.so' | xargs -r -I{} cp -L {} "$here/.gpu/netns/lib/"
+  printf '#!/bin/sh\nd="$(dirname "$(readlink -f "$0")")"\nLD_LIBRARY_PATH="$d/lib" exec "$d/ip.bin" "$@"\n' > "$here/.gpu/netns/ip"
+  chmod +x "$here/.gpu/netns/ip"
+fi
 echo "$bin"
