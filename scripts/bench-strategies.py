@@ -3,7 +3,7 @@
 
 For each strategy (single, pipeline, tensor, hybrid) it starts N real `shoal serve` processes on
 loopback (--no-discovery, a --peer chain: nothing touches the host's network), each pinned with
-taskset to its own THREADS cores and pinned to that strategy (`--strategy`), sends one greedy
+taskset to its own THREADS cores, every node dialling every earlier one, and pinned to that strategy (`--strategy`), sends one greedy
 completion, and prints the plan the leader chose, the measured decode tok/s and the cost
 model's predicted tok/s for that plan (and its predictions for every strategy).
 
@@ -21,13 +21,13 @@ _spec.loader.exec_module(bench_swarm)
 get, post, wait = bench_swarm.get, bench_swarm.post, bench_swarm.wait
 
 
-def start(binary, model, strategy, cores, threads, peer, data):
+def start(binary, model, strategy, cores, threads, peers, data):
     os.makedirs(data, exist_ok=True)
     log = os.path.join(data, "serve.log")
     args = ["taskset", "-c", cores, binary, "serve", "--host", "127.0.0.1", "--api-port", "0", "--no-discovery",
             "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", data, "--model", model, "--strategy", strategy, "--device", "cpu"]
-    if peer:
-        args += ["--peer", peer]
+    for p in peers:  # every earlier node: a full mesh, as mDNS would make
+        args += ["--peer", p]
     proc = subprocess.Popen(args, stderr=open(log, "w"), stdout=subprocess.DEVNULL, env=dict(os.environ, SHOAL_THREADS=str(threads)))
     url = p2p = None
     deadline = time.time() + 120
@@ -57,14 +57,14 @@ def main():
     print(f"{'strategy':9} {'plan':34} {'measured tok/s':>15} {'predicted tok/s':>16}  predictions")
     for strategy in a.strategies.split(","):
         tmp = tempfile.mkdtemp(prefix=f"shoal-{strategy}-")
-        procs, urls, first = [], [], None
+        procs, urls, addrs = [], [], []
         try:
             for i in range(a.nodes):
                 cores = f"{i * a.threads}-{(i + 1) * a.threads - 1}"
-                p, url, p2p = start(a.bin, a.model, strategy, cores, a.threads, first, os.path.join(tmp, f"n{i}"))
+                p, url, p2p = start(a.bin, a.model, strategy, cores, a.threads, addrs, os.path.join(tmp, f"n{i}"))
                 procs.append(p)
                 urls.append(url)
-                first = first or p2p
+                addrs.append(p2p)
             wait("membership", lambda: len(get(urls[0] + "/v1/cluster").get("nodes", [])) == a.nodes, 60)
             model = get(urls[0] + "/v1/models")["data"][0]["id"]
             body = {"model": model, "prompt": bench_swarm.PROMPT, "temperature": 0}
