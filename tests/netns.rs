@@ -62,6 +62,9 @@ impl Node {
             .arg(shoal_bin())
             .args(["serve", "--host", "0.0.0.0", "--data-dir"])
             .arg(data.path())
+            // These tests are about pipelines; `auto` may pick a tensor group when measured
+            // figures (noisy on a loaded machine) predict one faster.
+            .args(["--strategy", "pipeline"])
             .args(extra)
             .env("SHOAL_LOG", "warn,shoal::cluster=info")
             .stdout(Stdio::null())
