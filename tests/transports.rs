@@ -124,6 +124,74 @@ fn four_members_survive_a_broken_link_in_doubling_and_ring() {
     assert!(lone[0].all_reduce(&mut buf).is_err(), "no link left: an error, not a hang");
 }
 
+/// A real link that holds back frames of one step for a while (a slow peer).
+struct SlowStep<L: Link> {
+    inner: L,
+    step: u32,
+    delay: Duration,
+}
+
+impl<L: Link> Link for SlowStep<L> {
+    fn transport(&self) -> Transport {
+        self.inner.transport()
+    }
+    fn send(&mut self, frame: &shoal::dataplane::Frame) -> Result<(), shoal::dataplane::LinkError> {
+        if frame.step == self.step {
+            std::thread::sleep(self.delay);
+        }
+        self.inner.send(frame)
+    }
+    fn recv(&mut self, wait: Duration) -> Result<Option<shoal::dataplane::Frame>, shoal::dataplane::LinkError> {
+        self.inner.recv(wait)
+    }
+    fn is_closed(&mut self) -> bool {
+        self.inner.is_closed()
+    }
+    fn close(&mut self) {
+        self.inner.close()
+    }
+    fn capacity(&self) -> usize {
+        self.inner.capacity()
+    }
+}
+
+/// A member that finished the last call and went away (its links closed) must not break the
+/// call its peers are still finishing with someone else: in a group of 4 (recursive doubling),
+/// member 0 is done after its two exchanges while member 1 still waits for member 3.
+#[test]
+fn a_member_leaving_after_its_last_call_does_not_break_the_peers_still_in_it() {
+    use shoal::dataplane::local::channel_pair;
+    let n = 4;
+    let mut links: Vec<Vec<Vec<Box<dyn Link>>>> = (0..n).map(|_| (0..n).map(|_| Vec::new()).collect()).collect();
+    for a in 0..n {
+        for b in a + 1..n {
+            let (x, y) = channel_pair();
+            links[a][b].push(Box::new(x));
+            if (a, b) == (1, 3) {
+                links[b][a].push(Box::new(SlowStep { inner: y, step: 1, delay: Duration::from_millis(300) }));
+            } else {
+                links[b][a].push(Box::new(y));
+            }
+        }
+    }
+    let groups: Vec<LinkGroup> = links.into_iter().enumerate().map(|(rank, l)| LinkGroup::new(rank, l, Duration::from_secs(10)).unwrap()).collect();
+    std::thread::scope(|s| {
+        for g in &groups {
+            s.spawn(move || {
+                let mut buf = vec![g.rank() as f32 + 1.0; 64];
+                g.all_reduce(&mut buf).unwrap_or_else(|e| panic!("member {}: {e}", g.rank()));
+                assert!(buf.iter().all(|v| *v == 10.0), "member {} got the sum", g.rank());
+                if g.rank() == 0 {
+                    (1..n).for_each(|p| g.break_link(p)); // as its exit would
+                }
+            });
+        }
+    });
+    let mut buf = vec![1.0f32; 4];
+    let err = groups[1].all_reduce(&mut buf).expect_err("the next call needs the member that left");
+    assert!(err.to_string().contains("member 0"), "{err}");
+}
+
 #[test]
 fn a_generation_whose_shared_memory_link_breaks_completes_over_tcp_with_the_same_tokens() {
     let source = ModelSource::open(&fixture("qwen2")).expect("fixture");

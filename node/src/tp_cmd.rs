@@ -132,6 +132,12 @@ pub fn run(args: TpMemberArgs) -> anyhow::Result<()> {
     }
     let decode = started.elapsed() - prefill;
     let decode_tok_s = if args.steps > 1 { (args.steps - 1) as f64 / decode.as_secs_f64() } else { 0.0 };
+    let (transports, fallbacks, bytes_sent) = (group.transports(), group.fallbacks(), group.bytes_sent());
+    // A last one-value call, so that no member exits (closing its links) while a peer is still
+    // in the generation's last call; its outcome no longer matters to the figures above.
+    if let Err(e) = group.all_reduce(&mut [0f32]) {
+        tracing::debug!(target: "shoal::dataplane", "closing call: {e}");
+    }
     let out = serde_json::json!({
         "rank": args.rank,
         "size": args.size,
@@ -140,9 +146,9 @@ pub fn run(args: TpMemberArgs) -> anyhow::Result<()> {
         "prefill_ms": prefill.as_secs_f64() * 1e3,
         "decode_tok_s": decode_tok_s,
         "transports_before_break": used,
-        "transports": group.transports(),
-        "fallbacks": group.fallbacks(),
-        "bytes_sent": group.bytes_sent(),
+        "transports": transports,
+        "fallbacks": fallbacks,
+        "bytes_sent": bytes_sent,
         "hidden": source.spec.hidden_size,
         "predicted_tok_s": predicted_tok_s,
         "mem_bw": mem_bw,

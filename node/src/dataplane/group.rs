@@ -229,9 +229,16 @@ impl Call<'_> {
                 Ok(Some(f)) if f.key() < key => {} // a resent frame we already have
                 Ok(Some(f)) => p.early.push(f),
                 Ok(None) => {
+                    // A peer this step does not need may have closed its link to fail over (it
+                    // waits for our resends on the next one) or because it finished and exited:
+                    // move on for it, but a peer with no link left breaks only a call that
+                    // needs it, not this one.
                     for other in self.peers.iter_mut().flatten() {
                         if other.peer != from && other.links.front_mut().is_some_and(|l| l.is_closed()) {
-                            other.fail_over(&LinkError::Closed(other.links.front().map_or(Transport::Libp2p, |l| l.transport())))?;
+                            let why = LinkError::Closed(other.links.front().map_or(Transport::Libp2p, |l| l.transport()));
+                            if let Err(e) = other.fail_over(&why) {
+                                tracing::debug!(target: "shoal::dataplane", peer = other.peer, "{e}");
+                            }
                         }
                     }
                     if Instant::now() >= until {
