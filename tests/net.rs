@@ -194,6 +194,23 @@ async fn three_nodes_connect_and_exchange_adverts_within_3s() {
     assert_eq!(NetCounters::get(&a.handle.counters().malformed_gossip), 0);
 }
 
+/// Peer exchange: nodes each given only the first node as `--peer` (a star) learn of each other
+/// from the adverts the hub relays, dial each other, and end as a full mesh, so every node
+/// sees the same members (and elects the same leader).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_given_only_a_hub_as_peer_learn_each_other_from_gossip_and_form_a_full_mesh() {
+    let hub = start(vec![], None).await;
+    let leaves = [start(vec![hub.addr.clone()], None).await, start(vec![hub.addr.clone()], None).await, start(vec![hub.addr.clone()], None).await];
+    let mesh = wait_until(Duration::from_secs(10), || leaves.iter().all(|n| n.seen(|s| s.connected.len() == 3))).await;
+    let mesh = mesh.unwrap_or_else(|| panic!("each leaf connected to the hub and both other leaves; connected: {:?}", leaves.each_ref().map(|n| n.seen(|s| s.connected.len()))));
+    eprintln!("net: a star of 1 hub and 3 leaves became a full mesh in {mesh:?}");
+    for leaf in &leaves {
+        for other in leaves.iter().filter(|o| o.id() != leaf.id()) {
+            assert!(leaf.seen(|s| s.connected.contains(&other.id())), "leaf {} connected to leaf {}", leaf.id(), other.id());
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_end_by_response_deadline_or_disconnect() {
     let a = start(vec![], None).await;

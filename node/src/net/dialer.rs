@@ -14,6 +14,10 @@ use libp2p::swarm::ConnectionId;
 use libp2p::{Multiaddr, PeerId};
 use tokio::time::Instant;
 
+/// Most peers kept to dial (static and discovered), and most addresses kept per peer.
+const MAX_TARGETS: usize = 512;
+const MAX_ADDRS: usize = 16;
+
 /// One peer to keep connected and its dial state.
 #[derive(Debug)]
 struct Target {
@@ -49,16 +53,25 @@ impl Redial {
         Redial { local, first, max, targets }
     }
 
-    /// An mDNS discovery: remember the address; whether to dial is decided by `due`.
-    pub fn discovered(&mut self, peer: PeerId, addr: Multiaddr, now: Instant) {
+    /// A peer found by mDNS or heard of through gossip: remember the address; whether to dial
+    /// is decided by `due`. Returns whether the address is new. At most `MAX_TARGETS` peers
+    /// and `MAX_ADDRS` addresses each are kept, so hostile gossip cannot grow this without bound.
+    pub fn discovered(&mut self, peer: PeerId, addr: Multiaddr, now: Instant) -> bool {
         if self.local > peer {
-            return; // the other side (the smaller id) dials
+            return false; // the other side (the smaller id) dials
         }
-        match self.targets.iter_mut().find(|t| t.peer == Some(peer)) {
-            Some(t) if !t.addrs.contains(&addr) => t.addrs.push(addr),
-            Some(_) => {}
-            None => self.targets.push(Target { peer: Some(peer), addrs: vec![addr], next_try: now, backoff: self.first, dialing: None }),
+        if let Some(t) = self.targets.iter_mut().find(|t| t.peer == Some(peer)) {
+            let new = !t.addrs.contains(&addr) && t.addrs.len() < MAX_ADDRS;
+            if new {
+                t.addrs.push(addr);
+            }
+            return new;
         }
+        if self.targets.len() >= MAX_TARGETS {
+            return false;
+        }
+        self.targets.push(Target { peer: Some(peer), addrs: vec![addr], next_try: now, backoff: self.first, dialing: None });
+        true
     }
 
     /// Dials to start now: targets that are unconnected, not being dialled, and past their

@@ -15,7 +15,7 @@ use libp2p::futures::stream::{FuturesUnordered, StreamExt};
 use libp2p::gossipsub::{self, MessageAcceptance, PublishError, TopicHash};
 use libp2p::request_response::{self as rr, InboundRequestId, OutboundFailure, OutboundRequestId, ResponseChannel};
 use libp2p::swarm::SwarmEvent;
-use libp2p::{mdns, ping, PeerId, Swarm};
+use libp2p::{mdns, ping, Multiaddr, PeerId, Swarm};
 use shoal_proto::v1::{ControlRequest, ControlResponse, ErrorCode};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, MissedTickBehavior};
@@ -64,6 +64,8 @@ pub(super) struct EventLoop {
     topic: TopicHash,
     /// Peer-copy calls, both ways, and the registered file server.
     files: FileRpcs,
+    /// The addresses the swarm listens on (one per interface), gossiped in our adverts.
+    listening: Vec<Multiaddr>,
 }
 
 impl EventLoop {
@@ -95,6 +97,7 @@ impl EventLoop {
             watchdog: Watchdog::default(),
             topic: advert_topic().hash(),
             files: FileRpcs::default(),
+            listening: Vec::new(),
         }
     }
 
@@ -132,7 +135,8 @@ impl EventLoop {
 
     fn on_command(&mut self, command: Command) {
         match command {
-            Command::Publish { payload, reply } => {
+            Command::Publish { advert, reply } => {
+                let payload = wire::encode_advert_from(&advert, &self.listening);
                 let result = match self.swarm.behaviour_mut().gossipsub.publish(self.topic.clone(), payload) {
                     Ok(_) | Err(PublishError::NoPeersSubscribedToTopic) => Ok(()),
                     Err(e) => Err(NetError::Publish(e.to_string())),
@@ -211,13 +215,16 @@ impl EventLoop {
                 for (peer, addr) in found {
                     tracing::debug!(target: "shoal::net", %peer, %addr, "discovered");
                     self.swarm.add_peer_address(peer, addr.clone());
-                    self.redial.discovered(peer, addr, now);
+                    let _ = self.redial.discovered(peer, addr, now);
                 }
                 self.housekeeping(); // dial the new ones now, not at the next tick
             }
             SwarmEvent::Behaviour(BehaviourEvent::Gossipsub(gossipsub::Event::Message { propagation_source, message_id, message })) => {
                 let verdict = match message.source {
-                    Some(signer) if message.topic == self.topic => wire::decode_advert(&message.data, &signer).map(|advert| (signer, advert)),
+                    Some(signer) if message.topic == self.topic => wire::decode_advert_from(&message.data, &signer).map(|(advert, addrs)| {
+                        self.learn(signer, addrs);
+                        (signer, advert)
+                    }),
                     Some(_) => Err(WireError::Missing("the advert topic")),
                     None => Err(WireError::Missing("message source")),
                 };
@@ -266,9 +273,32 @@ impl EventLoop {
             }
             SwarmEvent::NewListenAddr { address, .. } => {
                 tracing::info!(target: "shoal::net", %address, "listening");
+                if !self.listening.contains(&address) {
+                    self.listening.push(address.clone());
+                }
                 self.emit(NetEvent::Listening(address));
             }
+            SwarmEvent::ExpiredListenAddr { address, .. } => self.listening.retain(|a| *a != address),
             _ => {}
+        }
+    }
+
+    /// Peer exchange: a member heard of through gossip (its advert relayed by a peer we share)
+    /// is dialled at the addresses it advertises, like an mDNS discovery, so that nodes each
+    /// given one `--peer` still form a full mesh and agree on who is alive.
+    fn learn(&mut self, peer: PeerId, addrs: Vec<Multiaddr>) {
+        if peer == *self.swarm.local_peer_id() || self.swarm.is_connected(&peer) || addrs.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        let mut new = false;
+        for addr in addrs {
+            new |= self.redial.discovered(peer, addr.clone(), now);
+            self.swarm.add_peer_address(peer, addr);
+        }
+        if new {
+            tracing::debug!(target: "shoal::net", %peer, "learnt from gossip");
+            self.housekeeping();
         }
     }
 

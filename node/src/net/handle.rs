@@ -19,8 +19,8 @@ use crate::cluster::NodeAdvert;
 /// answers exactly once; a dropped sender (the loop gone) reads as `NetError::Shutdown`.
 #[derive(Debug)]
 pub(super) enum Command {
-    /// Gossip an encoded advert on the advert topic.
-    Publish { payload: Vec<u8>, reply: oneshot::Sender<Result<(), NetError>> },
+    /// Gossip this node's advert on the advert topic, with the addresses the swarm listens on.
+    Publish { advert: Box<NodeAdvert>, reply: oneshot::Sender<Result<(), NetError>> },
     /// Send one RPC; answered by its response, a failure, or the deadline, whichever is first.
     Request { peer: PeerId, request: ControlRequest, deadline: Duration, reply: oneshot::Sender<Result<ControlResponse, NetError>> },
     /// Send one peer-copy call; ends like `Request`.
@@ -97,9 +97,9 @@ impl NetHandle {
     /// publishes nothing and succeeds: adverts repeat, and the next one finds the peers.
     pub async fn publish_advert(&self, advert: &NodeAdvert) -> Result<(), NetError> {
         // Check here what every receiver will check, so that a bad advert fails loudly at home.
-        let payload = wire::encode_advert(advert);
-        wire::decode_advert(&payload, &self.local_peer_id)?;
-        self.call(|reply| Command::Publish { payload, reply }).await?
+        wire::decode_advert(&wire::encode_advert(advert), &self.local_peer_id)?;
+        let advert = Box::new(advert.clone());
+        self.call(|reply| Command::Publish { advert, reply }).await?
     }
 
     /// Sends `request` to `peer` (dialling it if needed) and waits for its response, at most

@@ -7,7 +7,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::str::FromStr;
 
-use libp2p::PeerId;
+use libp2p::multiaddr::Protocol;
+use libp2p::{Multiaddr, PeerId};
 use prost::Message;
 use shoal_proto::v1;
 use shoal_proto::WIRE_VERSION;
@@ -121,6 +122,7 @@ pub fn advert_to_proto(a: &NodeAdvert) -> v1::Advert {
         plan: a.plan.as_ref().map(plan_to_proto),
         models: a.models.clone(),
         gpu: a.gpu.as_ref().map(|g| v1::Gpu { name: g.name.clone(), memory_total: g.memory_total }),
+        listen_addrs: Vec::new(),
     }
 }
 
@@ -167,10 +169,38 @@ pub fn encode_advert(a: &NodeAdvert) -> Vec<u8> {
     advert_to_proto(a).encode_to_vec()
 }
 
+/// The gossip payload of an advert with the libp2p addresses its sender listens on.
+pub fn encode_advert_from(a: &NodeAdvert, listen_addrs: &[Multiaddr]) -> Vec<u8> {
+    let mut p = advert_to_proto(a);
+    p.listen_addrs = listen_addrs.iter().take(MAX_ADDRESSES).map(Multiaddr::to_string).collect();
+    p.encode_to_vec()
+}
+
 /// A gossip payload, decoded and validated (the caller has already capped its size).
 pub fn decode_advert(bytes: &[u8], signer: &PeerId) -> Result<NodeAdvert, WireError> {
-    let advert = v1::Advert::decode(bytes).map_err(|e| WireError::Decode(e.to_string()))?;
-    advert_from_proto(advert, signer)
+    decode_advert_from(bytes, signer).map(|(advert, _)| advert)
+}
+
+/// A gossip payload, decoded and validated, with the sender's listen addresses: at most
+/// `MAX_ADDRESSES`, each a well-formed multiaddr that names no peer but the signer (any
+/// `/p2p/` suffix is checked and removed).
+pub fn decode_advert_from(bytes: &[u8], signer: &PeerId) -> Result<(NodeAdvert, Vec<Multiaddr>), WireError> {
+    let mut advert = v1::Advert::decode(bytes).map_err(|e| WireError::Decode(e.to_string()))?;
+    let listen = std::mem::take(&mut advert.listen_addrs);
+    check_count("advert.listen_addrs", &listen, MAX_ADDRESSES)?;
+    let mut addrs = Vec::with_capacity(listen.len());
+    for text in &listen {
+        check_len("advert.listen_addrs", text, MAX_STRING_BYTES)?;
+        let mut addr: Multiaddr = text.parse().map_err(|e| WireError::Decode(format!("advert.listen_addrs: {e}")))?;
+        if let Some(Protocol::P2p(peer)) = addr.iter().last() {
+            if peer != *signer {
+                return Err(WireError::NotSigner { claimed: peer.to_string(), signer: *signer });
+            }
+            addr.pop();
+        }
+        addrs.push(addr);
+    }
+    Ok((advert_from_proto(advert, signer)?, addrs))
 }
 
 fn footprint_to_proto(f: &ModelFootprint) -> v1::ModelFootprint {

@@ -52,6 +52,26 @@ fn an_advert_round_trips() {
 }
 
 #[test]
+fn listen_addresses_travel_with_an_advert_and_bad_ones_are_refused() {
+    let (me, you) = (PeerId::random(), PeerId::random());
+    let a = advert(&me, &you);
+    let addrs: Vec<Multiaddr> = vec!["/ip4/10.0.0.1/tcp/52416".parse().unwrap(), "/ip4/127.0.0.1/udp/52416/quic-v1".parse().unwrap()];
+    assert_eq!(decode_advert_from(&encode_advert_from(&a, &addrs), &me).unwrap(), (a.clone(), addrs.clone()));
+    let with_id = |peer: &PeerId| {
+        let mut p = proto_of(&a);
+        p.listen_addrs = vec![format!("/ip4/10.0.0.1/tcp/52416/p2p/{peer}")];
+        p.encode_to_vec()
+    };
+    assert_eq!(decode_advert_from(&with_id(&me), &me).unwrap().1, addrs[..1], "our own /p2p suffix is dropped");
+    assert!(matches!(decode_advert_from(&with_id(&you), &me), Err(WireError::NotSigner { .. })), "no dialling someone else's id");
+    let mut p = proto_of(&a);
+    p.listen_addrs = vec!["not an address".into()];
+    assert!(matches!(decode_advert_from(&p.encode_to_vec(), &me), Err(WireError::Decode(_))));
+    p.listen_addrs = vec!["/ip4/10.0.0.1/tcp/1".into(); MAX_ADDRESSES + 1];
+    assert!(matches!(decode_advert_from(&p.encode_to_vec(), &me), Err(WireError::TooMany { .. })));
+}
+
+#[test]
 fn an_advert_not_signed_by_its_node_is_refused() {
     let (me, you) = (PeerId::random(), PeerId::random());
     let a = advert(&me, &you);
