@@ -56,6 +56,7 @@ fn advert(id: PeerId) -> NodeAdvert {
         flops: 1e11,
         backend: "cpu".into(),
         gpu: None,
+        decode_bandwidth: 0.0,
         addresses: vec![],
         models: vec![],
         wants: vec![],

@@ -32,6 +32,7 @@ fn advert(i: usize, rng: &mut StdRng) -> NodeAdvert {
         flops: 1.0,
         backend: "cpu".into(),
         gpu: None,
+        decode_bandwidth: 0.0,
         addresses: vec![],
         models: vec!["small".into(), "large".into()],
         wants: vec![],
@@ -270,7 +271,7 @@ impl Sim {
         let Some(plan) = first.plan() else { return same && live.len() == 1 };
         // The plan covers exactly the live nodes, with the placements they would compute.
         let adverts: Vec<NodeAdvert> = live.iter().map(|(_, s)| s.advert()).collect();
-        let placements_ok = plan.placements == place_all(&adverts.iter().collect::<Vec<_>>());
+        let placements_ok = plan.placements == place_all(&adverts.iter().collect::<Vec<_>>(), shoal::cluster::cost::LinkCost::LAN);
         same && Some(first.leader().clone()) == expected_leader && plan.members == ids && placements_ok
     }
 }
@@ -303,4 +304,46 @@ fn a_thousand_seeds_keep_the_invariants_and_converge() {
             std::panic::resume_unwind(panic);
         }
     }
+}
+
+/// The leader's auto placement uses the link it measured: on a slow link (10 ms) a 7B-sized model
+/// stays on one node, on a fast one (20 µs) it becomes a tensor group of two; RTT jitter within 2×
+/// changes nothing (no plan churn).
+#[test]
+fn auto_placement_follows_the_measured_link_and_ignores_jitter() {
+    use shoal::cluster::{Strategy, TpUnits};
+    let node = |id: &str, wants: Vec<ModelFootprint>| NodeAdvert {
+        id: id.into(),
+        name: id.into(),
+        priority: 0,
+        memory_total: 64 << 30,
+        memory_offered: 64 << 30,
+        mem_bandwidth: 20e9,
+        flops: 1e12,
+        backend: "cpu".into(),
+        gpu: None,
+        decode_bandwidth: 0.0,
+        addresses: vec![],
+        models: vec!["7b".into()],
+        wants,
+        plan: None,
+    };
+    let seven_b = ModelFootprint { model: "7b".into(), layers: 28, bytes_per_layer: 233 << 20, embedding_bytes: 545 << 20, head_bytes: 545 << 20, tp: TpUnits { heads: 4, ffn: 8 }, strategy: None };
+    let mut a = ClusterState::new(node("a", vec![]), ClusterConfig::TEST, 0);
+    let mut now = 1_000;
+    a.handle(Input::Connected("b".into()), now);
+    a.handle(Input::Advert(node("b", vec![])), now);
+    a.set_wants(vec![seven_b], now);
+    let strategy = |s: &ClusterState| s.plan().and_then(|p| p.placements["7b"].as_ref().ok()).map(|p| p.strategy);
+    let published = |out: &[Output]| out.iter().any(|o| matches!(o, Output::Publish(_)));
+    now += 100;
+    a.handle(Input::LinkRtt(10e-3), now);
+    assert_eq!(strategy(&a), Some(Strategy::Single), "10 ms between the nodes: one node");
+    now += 100;
+    let out = a.handle(Input::LinkRtt(20e-6), now);
+    assert!(published(&out));
+    assert_eq!(strategy(&a), Some(Strategy::Tensor), "20 µs: a tensor group");
+    now += 100;
+    assert!(!published(&a.handle(Input::LinkRtt(35e-6), now)), "jitter within 2× re-plans nothing");
+    assert_eq!(strategy(&a), Some(Strategy::Tensor));
 }

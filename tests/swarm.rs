@@ -55,6 +55,7 @@ async fn start_node(name: &str, memory_offered: u64, peers: Vec<Multiaddr>, mode
         flops: 100e9,
         backend: "cpu".into(),
         gpu: None,
+        decode_bandwidth: 0.0,
         addresses: vec![addr.to_string()],
         models: vec![MODEL.to_string()],
         wants: vec![],

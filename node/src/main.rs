@@ -392,6 +392,7 @@ fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> 
             // With --memory-limit the node offers all of it; without, what is free at start.
             memory_offered: if config.memory_limit.is_some() && device.gpu().is_none() { memory_total } else { memory_offered },
             mem_bandwidth: machine.mem_bandwidth,
+            decode_bandwidth: machine.decode_bandwidth,
             flops: machine.flops,
             backend: device.label(),
             gpu: device.gpu().map(|g| shoal::cluster::GpuAdvert { name: g.name.clone(), memory_total: g.memory_total }),
@@ -429,7 +430,7 @@ fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> 
         eprintln!("shoal node {id}");
         match device.gpu() {
             Some(g) => eprintln!("computing on {} (cuda:{}): measured {:.1} TFLOP/s f16, {:.0} GB/s device copy", g.name, g.index, machine.flops / 1e12, machine.mem_bandwidth / 1e9),
-            None => eprintln!("measured {:.1} GFLOP/s f32, {:.1} GB/s memory read", machine.flops / 1e9, machine.mem_bandwidth / 1e9),
+            None => eprintln!("measured {:.1} GFLOP/s f32, {:.1} GB/s memory read, {:.1} GB/s Q4_K decode", machine.flops / 1e9, machine.mem_bandwidth / 1e9, machine.decode_bandwidth / 1e9),
         }
         // The listener reports its address shortly after start: wait for it (at most 2 s).
         let mut listening = Vec::new();

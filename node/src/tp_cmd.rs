@@ -83,9 +83,10 @@ pub fn run(args: TpMemberArgs) -> anyhow::Result<()> {
     if let Some(values) = args.allreduce_values {
         return time_allreduce(&group, values, args.iterations);
     }
-    // The cost model's inputs, measured here: this member's memory bandwidth with its threads
+    // The cost model's inputs, measured here: this member's memory bandwidth and Q4_K decode rate with its threads
     // and the data plane's one-value all-reduce (half a round trip).
     let mem_bw = shoal::engine::bench::read_bandwidth(threads, 256 << 20, Duration::from_millis(300));
+    let decode_bw = shoal::engine::probe::q4k_decode_bandwidth(64 << 20, Duration::from_millis(300))?;
     let mut hops = Vec::new();
     for _ in 0..if args.size > 1 { 50 } else { 0 } {
         let mut one = [0f32];
@@ -106,7 +107,7 @@ pub fn run(args: TpMemberArgs) -> anyhow::Result<()> {
     };
     let (bytes_per_layer, embedding_bytes, head_bytes) = source.footprint_bytes();
     let footprint = ModelFootprint { model: source.name(), layers: source.spec.num_layers, bytes_per_layer, embedding_bytes, head_bytes, ..Default::default() };
-    let speed = cost::Speed { node: String::new(), mem_bandwidth: mem_bw, flops: f64::MAX, memory_offered: u64::MAX };
+    let speed = cost::Speed { node: String::new(), mem_bandwidth: mem_bw.min(decode_bw), flops: f64::MAX, memory_offered: u64::MAX };
     let speeds: Vec<&cost::Speed> = (0..args.size).map(|_| &speed).collect();
     let link = cost::LinkCost { rtt_s, bytes_per_s: 5e9 };
     let predicted_tok_s = cost::predict_stages(&footprint, &[(speeds, source.spec.num_layers)], link).0;
@@ -152,6 +153,7 @@ pub fn run(args: TpMemberArgs) -> anyhow::Result<()> {
         "hidden": source.spec.hidden_size,
         "predicted_tok_s": predicted_tok_s,
         "mem_bw": mem_bw,
+        "decode_bw": decode_bw,
         "dataplane_rtt_us": rtt_s * 1e6,
         "layers": source.spec.num_layers,
     });

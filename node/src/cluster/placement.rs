@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::cost::LinkCost;
 use super::state::NodeAdvert;
 use super::NodeId;
 
@@ -89,8 +90,9 @@ pub enum PlacementError {
 }
 
 /// Places every model wanted by `members` (their adverts), in name order: each over the members
-/// that hold its files, with the memory the models before it left.
-pub fn place_all(members: &[&NodeAdvert]) -> BTreeMap<String, Result<Placement, String>> {
+/// that hold its files, with the memory the models before it left; `link` is what the cost model
+/// assumes between members.
+pub fn place_all(members: &[&NodeAdvert], link: LinkCost) -> BTreeMap<String, Result<Placement, String>> {
     let mut wanted: BTreeMap<&str, &ModelFootprint> = BTreeMap::new();
     for a in members {
         for w in &a.wants {
@@ -103,9 +105,9 @@ pub fn place_all(members: &[&NodeAdvert]) -> BTreeMap<String, Result<Placement, 
         let holders: Vec<Capacity> = members
             .iter()
             .filter(|a| a.models.iter().any(|m| m == name))
-            .map(|a| Capacity { node: a.id.clone(), memory_offered: left[a.id.as_str()], mem_bandwidth: a.mem_bandwidth })
+            .map(|a| Capacity { node: a.id.clone(), memory_offered: left[a.id.as_str()], mem_bandwidth: a.decode_rate() })
             .collect();
-        let placed = super::tensor::place_choice(footprint, &holders);
+        let placed = super::tensor::place_choice(footprint, &holders, link);
         if let Ok(p) = &placed {
             for (node, used) in super::tensor::memory_used(footprint, p) {
                 if let Some(l) = left.get_mut(node.as_str()) {

@@ -11,6 +11,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
+use super::cost::LinkCost;
 use super::placement::{place_all, ModelFootprint, Placement, Stage};
 use super::{Millis, NodeId};
 
@@ -65,6 +66,21 @@ pub struct NodeAdvert {
     /// describe the GPU, so placement weighs it by what it can really do.
     #[serde(default)]
     pub gpu: Option<GpuAdvert>,
+    /// Measured weight bytes/s of the node's decode kernel (0 when unknown).
+    #[serde(default)]
+    pub decode_bandwidth: f64,
+}
+
+impl NodeAdvert {
+    /// The rate decode streams weights at on this node: the lower of its memory bandwidth and
+    /// its decode kernel's measured rate (the memory bandwidth alone when the latter is unknown).
+    pub fn decode_rate(&self) -> f64 {
+        if self.decode_bandwidth > 0.0 {
+            self.decode_bandwidth.min(self.mem_bandwidth)
+        } else {
+            self.mem_bandwidth
+        }
+    }
 }
 
 /// A GPU as adverts carry it.
@@ -94,6 +110,8 @@ pub enum Input {
     Disconnected(NodeId),
     /// Time passed; expire stale members.
     Tick,
+    /// The median round-trip time to our peers now, seconds (measured by the network's pings).
+    LinkRtt(f64),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -127,13 +145,17 @@ pub struct ClusterState {
     /// Highest round seen anywhere (plans and adverts), so a new leader goes above it.
     highest_round: u64,
     plan: Option<Plan>,
+    /// The link figures placement predicts with: `LinkCost::LAN` until an RTT is measured, then
+    /// the measured one, changed only when a new measurement is off by more than 2× (so that
+    /// jitter does not flip placements).
+    link: LinkCost,
 }
 
 impl ClusterState {
     /// `highest_round` is the value `highest_round()` had before this node last stopped (0 the first time).
     pub fn new(me: NodeAdvert, config: ClusterConfig, highest_round: u64) -> Self {
         let id = me.id.clone();
-        ClusterState { me, config, members: BTreeMap::new(), alive: BTreeSet::from([id.clone()]), leader: id, highest_round, plan: None }
+        ClusterState { me, config, members: BTreeMap::new(), alive: BTreeSet::from([id.clone()]), leader: id, highest_round, plan: None, link: LinkCost::LAN }
     }
 
     /// The highest round seen or made here: persist it whenever it grows.
@@ -224,6 +246,12 @@ impl ClusterState {
                 }
             }
             Input::Tick => {}
+            Input::LinkRtt(rtt_s) => {
+                let ratio = rtt_s / self.link.rtt_s;
+                if rtt_s.is_finite() && rtt_s > 0.0 && !(0.5..=2.0).contains(&ratio) {
+                    self.link.rtt_s = rtt_s;
+                }
+            }
         }
         out.extend(self.reconcile(now));
         out
@@ -302,7 +330,7 @@ impl ClusterState {
     /// Placements for every model wanted by an alive member, over the alive members.
     fn placements(&self) -> BTreeMap<String, Result<Placement, String>> {
         let adverts: Vec<&NodeAdvert> = self.alive.iter().filter_map(|id| self.advert_of(id)).collect();
-        place_all(&adverts)
+        place_all(&adverts, self.link)
     }
 }
 
@@ -321,5 +349,6 @@ fn placeholder(id: &str) -> NodeAdvert {
         wants: vec![],
         plan: None,
         gpu: None,
+        decode_bandwidth: 0.0,
     }
 }

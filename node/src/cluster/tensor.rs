@@ -5,8 +5,9 @@
 //! bounds N, and a model that cannot be split N ways gets the reason. `place_choice` honours a
 //! pinned strategy or, for auto, asks the cost model: the memory-weighted single/pipeline plan
 //! of `placement.rs` stands unless a tensor or hybrid plan is predicted `AUTO_MARGIN` faster
-//! over a LAN link (link figures are not gossiped, so auto assumes `LinkCost::LAN`).
-//! Pure: no I/O, no clocks; FLOP/s are not in `Capacity`, so predictions are bandwidth-bound.
+//! over the link the leader measured (its median ping RTT to its peers; `LinkCost::LAN` before
+//! any). Pure: no I/O, no clocks; FLOP/s are not in `Capacity`, so predictions are bound by each
+//! node's decode rate (the lower of memory bandwidth and measured Q4_K kernel rate).
 
 use serde::{Deserialize, Serialize};
 
@@ -211,9 +212,8 @@ pub fn hybrid(m: &ModelFootprint, members: &[Capacity], link: LinkCost) -> Resul
     best.map(|(_, p)| p).ok_or_else(|| ChoiceError::Pinned { model: m.model.clone(), strategy: "hybrid", reason: "no split into 2 or more equal groups fits the nodes' memory".into() })
 }
 
-/// Places `m` by its pinned strategy, or (none pinned) by the cost model's choice.
-pub fn place_choice(m: &ModelFootprint, members: &[Capacity]) -> Result<Placement, ChoiceError> {
-    let link = LinkCost::LAN;
+/// Places `m` by its pinned strategy, or (none pinned) by the cost model's choice over `link`.
+pub fn place_choice(m: &ModelFootprint, members: &[Capacity], link: LinkCost) -> Result<Placement, ChoiceError> {
     match m.strategy {
         Some(Strategy::Single) => {
             let p = place(m, members)?;
@@ -268,7 +268,7 @@ mod tests {
     #[test]
     fn pinned_tensor_makes_one_group_ranked_by_id_and_counts_each_members_memory() {
         let m = seven_b(Some(Strategy::Tensor));
-        let p = place_choice(&m, &[cap("b", 16, 20.0), cap("a", 16, 20.0)]).unwrap();
+        let p = place_choice(&m, &[cap("b", 16, 20.0), cap("a", 16, 20.0)], LinkCost::LAN).unwrap();
         assert_eq!(p.strategy, Strategy::Tensor);
         assert_eq!(p.stages, vec![Stage { node: "a".into(), start: 0, end: 28, group: vec!["b".into()] }]);
         assert_eq!(p.stage_of("b"), Some((0, 1)));
@@ -281,17 +281,17 @@ mod tests {
     fn a_model_that_cannot_split_gets_the_reason() {
         let mut m = seven_b(Some(Strategy::Tensor));
         m.tp = TpUnits { heads: 1, ffn: 74 };
-        let e = place_choice(&m, &[cap("a", 16, 20.0), cap("b", 16, 20.0)]).unwrap_err();
+        let e = place_choice(&m, &[cap("a", 16, 20.0), cap("b", 16, 20.0)], LinkCost::LAN).unwrap_err();
         assert!(e.to_string().contains("at most 1 members"), "{e}");
         m.tp = TpUnits::default();
-        let e = place_choice(&m, &[cap("a", 16, 20.0), cap("b", 16, 20.0)]).unwrap_err();
+        let e = place_choice(&m, &[cap("a", 16, 20.0), cap("b", 16, 20.0)], LinkCost::LAN).unwrap_err();
         assert!(e.to_string().contains("cannot be split 2 ways"), "{e}");
         // Qwen2.5-1.5B: 12 heads in pairs make 6 groups; 8 nodes give a group of at most 6.
         m.tp = TpUnits { heads: 6, ffn: 35 };
         let eight: Vec<Capacity> = (0..8).map(|i| cap(&format!("n{i}"), 16, 20.0)).collect();
         let p = tensor(&m, &eight, LinkCost { rtt_s: 1e-6, bytes_per_s: 1e11 }).unwrap();
         assert!(p.stages[0].tp_size() <= 6, "{p:?}");
-        let e = place_choice(&m, &[cap("a", 16, 20.0)]).unwrap_err();
+        let e = place_choice(&m, &[cap("a", 16, 20.0)], LinkCost::LAN).unwrap_err();
         assert!(e.to_string().contains("at least 2 nodes"), "{e}");
     }
 
@@ -299,25 +299,25 @@ mod tests {
     fn pinned_hybrid_chains_groups_and_pinned_single_refuses_a_model_too_big() {
         let m = seven_b(Some(Strategy::Hybrid));
         let four = [cap("a", 8, 20.0), cap("b", 8, 20.0), cap("c", 8, 20.0), cap("d", 8, 20.0)];
-        let p = place_choice(&m, &four).unwrap();
+        let p = place_choice(&m, &four, LinkCost::LAN).unwrap();
         assert_eq!(p.strategy, Strategy::Hybrid);
         assert_eq!(p.stages.len(), 2);
         assert!(p.stages.iter().all(|s| s.tp_size() == 2));
         assert_eq!((p.stages[0].end, p.stages[1].start, p.stages[1].end), (14, 14, 28));
         let small = [cap("a", 4, 20.0), cap("b", 4, 20.0), cap("c", 4, 20.0), cap("d", 4, 20.0)];
-        let e = place_choice(&seven_b(Some(Strategy::Single)), &small).unwrap_err();
+        let e = place_choice(&seven_b(Some(Strategy::Single)), &small, LinkCost::LAN).unwrap_err();
         assert!(e.to_string().contains("strategy single"), "{e}");
-        let p = place_choice(&seven_b(Some(Strategy::Pipeline)), &four).unwrap();
+        let p = place_choice(&seven_b(Some(Strategy::Pipeline)), &four, LinkCost::LAN).unwrap();
         assert_eq!(p.strategy, Strategy::Pipeline);
     }
 
     #[test]
     fn auto_picks_tensor_for_a_large_model_on_equal_nodes_and_single_for_a_small_one() {
         let two = [cap("a", 16, 20.0), cap("b", 16, 20.0)];
-        let p = place_choice(&seven_b(None), &two).unwrap();
+        let p = place_choice(&seven_b(None), &two, LinkCost::LAN).unwrap();
         assert_eq!(p.strategy, Strategy::Tensor, "{p:?}");
         let tiny = ModelFootprint { model: "tiny".into(), layers: 4, bytes_per_layer: 1 << 20, embedding_bytes: 1 << 20, head_bytes: 1 << 20, tp: TpUnits { heads: 4, ffn: 4 }, strategy: None };
-        let p = place_choice(&tiny, &two).unwrap();
+        let p = place_choice(&tiny, &two, LinkCost::LAN).unwrap();
         assert_eq!(p.strategy, Strategy::Single, "all-reduces cost more than a tiny model's compute: {p:?}");
     }
 }

@@ -1,8 +1,10 @@
 //! A short measurement of this machine as the engine sees it: on the CPU, f32 matrix-multiply
-//! FLOP/s through candle and memory read bandwidth over all cores; on a GPU, f16 matrix-multiply
-//! FLOP/s and device-memory copy bandwidth. Each half runs for a fixed time budget (well under a
-//! second in total). The figures feed adverts, placement and the cluster view.
-//! It does not benchmark quantized kernels or the network, and keeps no state.
+//! FLOP/s through candle, memory read bandwidth over all cores, and the weight bytes per second
+//! shoal's own Q4_K decode kernel streams (what decode really runs at: on few cores it is bound by
+//! the kernel, not by memory); on a GPU, f16 matrix-multiply FLOP/s and device-memory copy
+//! bandwidth. Each part runs for a fixed time budget (well under a second in total). The figures
+//! feed adverts, placement, the cost model and the cluster view.
+//! It does not measure the network, and keeps no state.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -20,6 +22,9 @@ pub struct MachineProfile {
     pub flops: f64,
     /// Memory read bandwidth over all cores, bytes per second.
     pub mem_bandwidth: f64,
+    /// Weight bytes per second of a Q4_K matrix-vector product on the kernel pool (decode's
+    /// inner loop); on a GPU, the copy bandwidth.
+    pub decode_bandwidth: f64,
 }
 
 /// How long each half of the probe runs, and the sizes it uses.
@@ -32,7 +37,8 @@ pub struct ProbeBudget {
 }
 
 impl Default for ProbeBudget {
-    /// About 0.4 s in all: a 768² matmul repeated for 200 ms, and a 64 MiB buffer read for 150 ms.
+    /// About 0.5 s in all: a 768² matmul repeated for 200 ms, a 64 MiB buffer read for 150 ms, and
+    /// a 32 MiB Q4_K matrix-vector product for 100 ms.
     fn default() -> Self {
         ProbeBudget { matmul_time: Duration::from_millis(200), matmul_size: 768, memory_time: Duration::from_millis(150), memory_bytes: 64 << 20 }
     }
@@ -49,7 +55,8 @@ pub fn measure_device(device: &ComputeDevice) -> Result<MachineProfile> {
         return measure();
     }
     let budget = Duration::from_millis(200);
-    Ok(MachineProfile { flops: gpu_matmul_flops(device, 4096, budget)?, mem_bandwidth: gpu_copy_bandwidth(device, 512 << 20, budget)? })
+    let mem_bandwidth = gpu_copy_bandwidth(device, 512 << 20, budget)?;
+    Ok(MachineProfile { flops: gpu_matmul_flops(device, 4096, budget)?, mem_bandwidth, decode_bandwidth: mem_bandwidth })
 }
 
 /// Repeats an n×n f16 matmul on the GPU until `budget` has passed (synchronizing to time it).
@@ -99,7 +106,46 @@ pub fn gpu_copy_bandwidth(device: &ComputeDevice, bytes: usize, budget: Duration
 }
 
 pub fn measure_with(budget: &ProbeBudget) -> Result<MachineProfile> {
-    Ok(MachineProfile { flops: matmul_flops(budget.matmul_size, budget.matmul_time)?, mem_bandwidth: read_bandwidth(budget.memory_bytes, budget.memory_time) })
+    Ok(MachineProfile {
+        flops: matmul_flops(budget.matmul_size, budget.matmul_time)?,
+        mem_bandwidth: read_bandwidth(budget.memory_bytes, budget.memory_time),
+        decode_bandwidth: q4k_decode_bandwidth(budget.memory_bytes / 2, budget.memory_time * 2 / 3)?,
+    })
+}
+
+/// Repeats a Q4_K matrix-vector product over about `bytes` of blocks (random scales and quants:
+/// speed does not depend on values) on the kernel pool until `budget` has passed.
+pub fn q4k_decode_bandwidth(bytes: usize, budget: Duration) -> Result<f64> {
+    use super::kernels::{matmul_many, pool, Isa, QMatrix, QType};
+    let cols = 4096;
+    let row_bytes = cols / QType::Q4K.block_len() * QType::Q4K.block_bytes();
+    let rows = (bytes / row_bytes).max(64);
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut data: Vec<u8> = (0..rows * row_bytes / 8)
+        .flat_map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state.to_le_bytes()
+        })
+        .collect();
+    // Each block starts with two f16 scales: keep them small and finite (0x1c00 is 2^-8).
+    for block in data.chunks_exact_mut(QType::Q4K.block_bytes()) {
+        block[..4].copy_from_slice(&[0, 0x1c, 0, 0x1c]);
+    }
+    let w = QMatrix::from_bytes(QType::Q4K, rows, cols, data).map_err(|e| super::EngineError::Device(e.to_string()))?;
+    let x: Vec<f32> = (0..cols).map(|i| ((i % 17) as f32 - 8.0) / 8.0).collect();
+    let mut out = vec![0f32; rows];
+    let pool = pool::global();
+    matmul_many(&[&w], &x, 1, &mut [&mut out], Isa::Auto, pool);
+    let started = Instant::now();
+    let mut runs = 0u32;
+    while runs < 2 || started.elapsed() < budget {
+        matmul_many(&[&w], &x, 1, &mut [&mut out], Isa::Auto, pool);
+        black_box(&out);
+        runs += 1;
+    }
+    Ok(w.size_in_bytes() as f64 * runs as f64 / started.elapsed().as_secs_f64().max(1e-9))
 }
 
 /// Repeats an n×n f32 matmul (after one warm-up) until `budget` has passed.
@@ -143,9 +189,10 @@ mod tests {
     fn the_probe_is_short_and_plausible() {
         let started = Instant::now();
         let p = measure().unwrap();
-        assert!(started.elapsed() < Duration::from_secs(1), "the probe took {:?}", started.elapsed());
+        assert!(started.elapsed() < Duration::from_millis(1500), "the probe took {:?}", started.elapsed());
         // Bounds any machine clears by far, even in a debug build: 10 MFLOP/s, 100 MB/s.
         assert!(p.flops > 1e7 && p.flops.is_finite(), "{p:?}");
         assert!(p.mem_bandwidth > 1e8 && p.mem_bandwidth.is_finite(), "{p:?}");
+        assert!(p.decode_bandwidth > 1e7 && p.decode_bandwidth.is_finite(), "{p:?}");
     }
 }

@@ -123,6 +123,7 @@ pub fn advert_to_proto(a: &NodeAdvert) -> v1::Advert {
         models: a.models.clone(),
         gpu: a.gpu.as_ref().map(|g| v1::Gpu { name: g.name.clone(), memory_total: g.memory_total }),
         listen_addrs: Vec::new(),
+        decode_bandwidth: a.decode_bandwidth,
     }
 }
 
@@ -150,6 +151,7 @@ pub fn advert_from_proto(a: v1::Advert, signer: &PeerId) -> Result<NodeAdvert, W
     Ok(NodeAdvert {
         mem_bandwidth: check_figure("advert.mem_bandwidth", a.mem_bandwidth)?,
         flops: check_figure("advert.flops", a.flops)?,
+        decode_bandwidth: check_figure("advert.decode_bandwidth", a.decode_bandwidth)?,
         wants: a.wants.into_iter().map(footprint_from_proto).collect::<Result<_, _>>()?,
         plan: a.plan.map(plan_from_proto).transpose()?,
         id: a.id,

@@ -22,6 +22,7 @@ fn advert(id: &PeerId, other: &PeerId) -> NodeAdvert {
         flops: 1.2e11,
         backend: "cuda:0".into(),
         gpu: Some(crate::cluster::GpuAdvert { name: "NVIDIA H100 80GB HBM3".into(), memory_total: 80 << 30 }),
+        decode_bandwidth: 21e9,
         addresses: vec!["/ip4/10.0.0.1/tcp/52416".into()],
         models: vec!["qwen".into()],
         wants: vec![footprint],

@@ -244,6 +244,9 @@ impl Coordinator {
             NetEvent::Advert { advert, .. } => self.input(Input::Advert(advert)),
             NetEvent::Rtt { peer, rtt } => {
                 self.rtt.insert(peer.to_string(), rtt.as_secs_f64() * 1e3);
+                let mut rtts: Vec<f64> = self.rtt.values().copied().collect();
+                rtts.sort_by(f64::total_cmp);
+                self.input(Input::LinkRtt(rtts[rtts.len() / 2] / 1e3));
             }
             NetEvent::Request { from, request, reply } => {
                 let hop = self.hop.clone();
