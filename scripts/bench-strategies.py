@@ -3,7 +3,8 @@
 
 For each strategy (single, pipeline, tensor, hybrid) it starts N real `shoal serve` processes on
 loopback (--no-discovery, a --peer chain: nothing touches the host's network), each pinned with
-taskset to its own THREADS cores, every node dialling every earlier one, and pinned to that strategy (`--strategy`), sends one greedy
+taskset to its own THREADS cores, each given only the first node as `--peer` (a star: peer exchange
+makes the mesh), and pinned to that strategy (`--strategy`), sends one greedy
 completion, and prints the plan the leader chose, the measured decode tok/s and the cost
 model's predicted tok/s for that plan (and its predictions for every strategy).
 
@@ -26,7 +27,7 @@ def start(binary, model, strategy, cores, threads, peers, data):
     log = os.path.join(data, "serve.log")
     args = ["taskset", "-c", cores, binary, "serve", "--host", "127.0.0.1", "--api-port", "0", "--no-discovery",
             "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", data, "--model", model, "--strategy", strategy, "--device", "cpu"]
-    for p in peers:  # every earlier node: a full mesh, as mDNS would make
+    for p in peers[:1]:  # only the first node: the others are learnt from its gossip (peer exchange)
         args += ["--peer", p]
     proc = subprocess.Popen(args, stderr=open(log, "w"), stdout=subprocess.DEVNULL, env=dict(os.environ, SHOAL_THREADS=str(threads)))
     url = p2p = None
