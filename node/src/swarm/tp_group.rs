@@ -1,7 +1,8 @@
 //! Forming a tensor-parallel group's data plane over the control plane: each member invites
 //! every higher rank with a `LinkInvite` RPC (its offer, a prepared shared-memory file, a TCP
-//! listener and token), the invited member sets up the common transports fastest first and
-//! answers with what it set up, and both keep those links, the fastest active, the rest as
+//! listener and token, with RDMA its queue-pair endpoint), the invited member sets up the
+//! common transports fastest first and answers with what it set up, and both keep those links,
+//! the fastest active, the rest as
 //! fallbacks. Links a member sets up on an invite wait in the `LinkBook` until its own
 //! formation takes them (or they expire). When both offer it, each pair also gets a libp2p link
 //! (`p2p_link`), last in the list; its frame route is registered before the invite or answer
