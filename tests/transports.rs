@@ -1,5 +1,6 @@
 //! The data plane's transports: negotiation picks shared memory between members on one host
-//! and TCP otherwise (RDMA offered by both but not built here drops out); shared-memory and TCP
+//! and TCP otherwise (RDMA offered by both, forced or forged, fails setup on a host without a
+//! device, in builds with and without the `rdma` feature, and drops out); shared-memory and TCP
 //! links carry frames larger than their buffers; a link broken mid-call or mid-request falls
 //! back to the next transport and the all-reduce (and the generation) completes with the same
 //! result; `shoal tp-member` processes on loopback choose shared memory, survive a broken link,
@@ -68,14 +69,63 @@ fn sum_check(groups: &[Arc<LinkGroup>], values: usize, calls: usize, mid_call: i
     });
 }
 
+/// A well-formed RDMA endpoint (48 bytes: magic, RoCE, MTU 4096, QPN 0x1234, PSN 1, 64 data
+/// and 8 credit slots of 64 KiB, an IPv4-mapped GID), as hex: what an inviter with a device
+/// would put in its invite.
+fn forged_rdma_endpoint() -> String {
+    let mut b = b"shoalRD1".to_vec();
+    b.extend_from_slice(&[2, 5, 0, 0]);
+    for v in [0x1234u32, 1, 64, 8, 65536] {
+        b.extend_from_slice(&v.to_le_bytes());
+    }
+    b.extend_from_slice(&[0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 0, 0, 1]);
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
 #[test]
 fn offered_but_failing_rdma_falls_back_to_shared_memory_then_tcp() {
+    // This host has no RDMA device (CI and the machines this was written on): RDMA offered by
+    // both ends, as `--dataplane rdma,shm,tcp` forces, fails setup and drops out.
+    #[cfg(feature = "rdma")]
+    assert!(!shoal::dataplane::rdma::detect().usable(), "this test expects a host without an RDMA device");
+    assert!(!local_offer().transports.contains(&Transport::Rdma), "no device: RDMA is not offered unasked");
     let here = host_id();
     let both = offer(&here, &[Transport::Rdma, Transport::Shm, Transport::Tcp]);
-    let (a, b, established) = pair(&both, &both);
-    assert_eq!(established, vec![Transport::Shm, Transport::Tcp], "RDMA was offered but cannot be set up in this build");
+    let inviter = Inviter::new(&both, "127.0.0.1".parse().unwrap());
+    // With the feature the inviter finds no device and leaves RDMA out of its invite; without
+    // it the offer stands and the joiner fails to set it up.
+    assert_eq!(inviter.invite().offer.transports.contains(&Transport::Rdma), cfg!(not(feature = "rdma")));
+    assert!(inviter.invite().rdma_addr.is_none() && inviter.invite().rdma_endpoint.is_empty());
+    let (b, established) = join(inviter.invite(), &both);
+    let a = inviter.finish(&established, Duration::from_secs(5));
+    assert_eq!(established, vec![Transport::Shm, Transport::Tcp], "RDMA was offered but cannot be set up here");
     assert_eq!(a.iter().map(|l| l.transport()).collect::<Vec<_>>(), established);
     assert_eq!(b.iter().map(|l| l.transport()).collect::<Vec<_>>(), established);
+    // The request completes over what was set up, and over TCP once shared memory breaks.
+    let deadline = Duration::from_secs(10);
+    let groups = vec![Arc::new(LinkGroup::new(0, vec![Vec::new(), a], deadline).unwrap()), Arc::new(LinkGroup::new(1, vec![b, Vec::new()], deadline).unwrap())];
+    sum_check(&groups, 1536, 6, |call| if call == 3 { groups[0].break_link(1) });
+    assert_eq!(groups[1].transports(), vec![(0, Some(Transport::Tcp))]);
+
+    // An invite that does carry an RDMA endpoint and bootstrap address (as a peer with a device
+    // sends): the joiner without a device fails RDMA setup and takes shared memory, then TCP.
+    let inviter = Inviter::new(&offer(&here, &[Transport::Shm, Transport::Tcp]), "127.0.0.1".parse().unwrap());
+    let bootstrap = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut forged = inviter.invite().clone();
+    forged.offer.transports.insert(0, Transport::Rdma);
+    forged.rdma_addr = Some(bootstrap.local_addr().unwrap());
+    forged.rdma_endpoint = forged_rdma_endpoint();
+    let (b, established) = join(&forged, &both);
+    assert_eq!(established, vec![Transport::Shm, Transport::Tcp]);
+    let a = inviter.finish(&established, Duration::from_secs(5));
+    let groups = vec![Arc::new(LinkGroup::new(0, vec![Vec::new(), a], deadline).unwrap()), Arc::new(LinkGroup::new(1, vec![b, Vec::new()], deadline).unwrap())];
+    sum_check(&groups, 100_000, 2, |_| {});
+    // A hostile endpoint never sets up either (with the feature it is refused before any
+    // device is looked for).
+    forged.rdma_endpoint = "00".repeat(48);
+    let (links, established) = join(&forged, &offer(&here, &[Transport::Rdma]));
+    assert!(links.is_empty() && established.is_empty());
+
     let other_host = offer("elsewhere", &[Transport::Shm, Transport::Tcp]);
     let (_, _, established) = pair(&both, &other_host);
     assert_eq!(established, vec![Transport::Tcp], "members on different hosts use TCP");
@@ -316,6 +366,21 @@ fn member_processes_on_one_host_use_shared_memory_and_survive_its_failure() {
             assert_eq!(o["fallbacks"], 1);
         }
         assert_eq!(outs[0]["transports_before_break"][0][1], "shm");
+    }
+}
+
+#[test]
+fn member_processes_forced_to_offer_rdma_without_a_device_generate_over_shared_memory() {
+    let model = fixture("qwen2");
+    let prompt = reference("qwen2").prompt_ids;
+    let ids = prompt.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let want = single_node_tokens(&model, &prompt);
+    let model_arg = model.display().to_string();
+    let outs = members(2, &["--model", &model_arg, "--prompt-ids", &ids, "--steps", "16", "--transports", "rdma,shm,tcp"], |_| Vec::new());
+    for o in &outs {
+        assert_eq!(tokens(o), want, "the generation completed with one node's tokens");
+        assert_eq!(o["transports"][0][1], "shm", "RDMA failed setup and shared memory took over: {o}");
+        assert_eq!(o["fallbacks"], 0, "RDMA never became a link, so nothing failed over");
     }
 }
 

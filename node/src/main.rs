@@ -125,7 +125,8 @@ struct ServeArgs {
     /// pipeline, tensor or hybrid; a pinned strategy that cannot place the model is an error.
     #[arg(long, default_value = "auto", value_parser = parse_strategy)]
     strategy: StrategyArg,
-    /// Offer only these data-plane transports to tensor-group peers (shm, tcp, libp2p), for tests.
+    /// Offer exactly these data-plane transports to tensor-group peers (rdma, shm, tcp, libp2p),
+    /// even ones not detected (rdma then fails setup and falls back), for tests.
     #[arg(long, hide = true, value_delimiter = ',', value_parser = parse_transport)]
     dataplane: Vec<shoal::dataplane::Transport>,
 }

@@ -1,7 +1,7 @@
 //! `shoal tp-member` (hidden): one member of a tensor-parallel group as its own process, for
 //! tests and benchmarks. Members meet through a rendezvous directory (invites and answers as
 //! JSON files, written by rename) instead of the control plane, set up their data-plane links
-//! (shared memory, TCP, fastest first), load their slice and run a greedy generation, or time
+//! (RDMA where built and offered, shared memory, TCP, fastest first), load their slice and run a greedy generation, or time
 //! the all-reduce alone. Prints one JSON line. It is not how `serve` forms groups.
 
 use std::net::IpAddr;

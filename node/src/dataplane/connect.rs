@@ -4,7 +4,9 @@
 //! common transports fastest first, skipping any that fail to set up, and answers with the list
 //! it established; the inviter then completes exactly those. Both ends end with the same links
 //! in the same order. A transport offered but failing (a shared file that cannot be mapped, a
-//! refused connection, RDMA without a device) simply drops out of the list.
+//! refused connection, RDMA without a device) simply drops out of the list. With the `rdma`
+//! feature the invite also carries the inviter's queue-pair endpoint and a bootstrap address
+//! (see `rdma::link`); without it an RDMA offer is kept and fails at the joiner.
 //! It does not carry the invite or the answer (the control plane or a rendezvous does).
 
 use std::net::{IpAddr, SocketAddr};
@@ -23,8 +25,14 @@ pub struct Invite {
     pub offer: Offer,
     pub shm_path: Option<PathBuf>,
     pub tcp_addr: Option<SocketAddr>,
-    /// Hex of the TCP token.
+    /// Hex of the TCP token (also presented on the RDMA bootstrap connection).
     pub token: String,
+    /// Where the joiner hands over its RDMA endpoint (feature `rdma`; absent otherwise).
+    #[serde(default)]
+    pub rdma_addr: Option<SocketAddr>,
+    /// Hex of the inviter's RDMA endpoint (`rdma::wire::Endpoint`); empty when not offered.
+    #[serde(default)]
+    pub rdma_endpoint: String,
 }
 
 /// The inviting side between sending its invite and hearing which transports the peer set up.
@@ -32,6 +40,8 @@ pub struct Inviter {
     invite: Invite,
     shm: Option<ShmLink>,
     tcp: Option<TcpAcceptor>,
+    #[cfg(feature = "rdma")]
+    rdma: Option<super::rdma::Offered>,
     token: [u8; TOKEN_BYTES],
 }
 
@@ -39,9 +49,11 @@ impl Inviter {
     /// Prepares every transport of `offer`: TCP listens on `tcp_ip`.
     pub fn new(offer: &Offer, tcp_ip: IpAddr) -> Inviter {
         let token = tcp::new_token();
-        let mut invite = Invite { offer: offer.clone(), shm_path: None, tcp_addr: None, token: hex(&token) };
+        let mut invite = Invite { offer: offer.clone(), shm_path: None, tcp_addr: None, token: hex(&token), rdma_addr: None, rdma_endpoint: String::new() };
         let mut shm = None;
         let mut tcp = None;
+        #[cfg(feature = "rdma")]
+        let mut rdma = None;
         for t in &offer.transports {
             match t {
                 Transport::Shm => match ShmLink::create(DEFAULT_CAPACITY) {
@@ -58,15 +70,33 @@ impl Inviter {
                     }
                     Err(e) => tracing::info!(target: "shoal::dataplane", "not offering TCP: {e}"),
                 },
+                #[cfg(feature = "rdma")]
+                Transport::Rdma => match super::rdma::Offered::new(tcp_ip) {
+                    Ok((offered, addr, endpoint)) => {
+                        invite.rdma_addr = Some(addr);
+                        invite.rdma_endpoint = endpoint;
+                        rdma = Some(offered);
+                    }
+                    Err(e) => tracing::info!(target: "shoal::dataplane", "not offering RDMA: {e}"),
+                },
                 _ => {}
             }
         }
         invite.offer.transports.retain(|t| match t {
             Transport::Shm => invite.shm_path.is_some(),
             Transport::Tcp => invite.tcp_addr.is_some(),
+            // Without the feature the offer stands and fails at the joiner, as a peer's would.
+            Transport::Rdma => cfg!(not(feature = "rdma")) || invite.rdma_addr.is_some(),
             _ => true,
         });
-        Inviter { invite, shm, tcp, token }
+        Inviter {
+            invite,
+            shm,
+            tcp,
+            #[cfg(feature = "rdma")]
+            rdma,
+            token,
+        }
     }
 
     pub fn invite(&self) -> &Invite {
@@ -85,6 +115,11 @@ impl Inviter {
                 },
                 Transport::Tcp => match &self.tcp {
                     Some(a) => a.accept(&self.token, wait).map(|l| Box::new(l) as Box<dyn Link>),
+                    None => Err(LinkError::Setup { transport: *t, message: "not prepared".into() }),
+                },
+                #[cfg(feature = "rdma")]
+                Transport::Rdma => match self.rdma.take() {
+                    Some(r) => r.accept(&self.token, wait).map(|l| Box::new(l) as Box<dyn Link>),
                     None => Err(LinkError::Setup { transport: *t, message: "not prepared".into() }),
                 },
                 other => Err(LinkError::Setup { transport: *other, message: "set up by the caller".into() }),
@@ -112,6 +147,11 @@ pub fn join(invite: &Invite, local: &Offer) -> (Vec<Box<dyn Link>>, Vec<Transpor
             Transport::Tcp => match (invite.tcp_addr, unhex(&invite.token)) {
                 (Some(addr), Some(token)) => tcp::connect(addr, &token).map(|l| Box::new(l) as Box<dyn Link>),
                 _ => Err(LinkError::Setup { transport: t, message: "no address or token offered".into() }),
+            },
+            #[cfg(feature = "rdma")]
+            Transport::Rdma => match (invite.rdma_addr, unhex(&invite.token)) {
+                (Some(addr), Some(token)) => super::rdma::join(addr, &token, &invite.rdma_endpoint).map(|l| Box::new(l) as Box<dyn Link>),
+                _ => Err(LinkError::Setup { transport: t, message: "no bootstrap address or token offered".into() }),
             },
             other => Err(LinkError::Setup { transport: other, message: "not available in this build".into() }),
         };

@@ -5,10 +5,10 @@
 //! groups); the libp2p stream, the last resort, is a `Link` in `swarm::p2p_link` (only the swarm
 //! holds the network). `negotiate` picks the order from both sides' offers; `group::LinkGroup` runs the
 //! all-reduce over the links and falls back to the next transport when one fails mid-call.
+//! With the cargo feature `rdma`, `rdma` adds a verbs link (an RC queue pair, libibverbs
+//! opened at run time), offered first when a device has an active port; without it an RDMA
+//! offer from a peer fails setup and drops out. The verbs link has not run on RDMA hardware.
 //! It does not decide who is in a group (placement does) nor carry control messages (net does).
-//! RDMA verbs links are not implemented: `Transport::Rdma` exists so that offers from a future
-//! build rank correctly; this build never offers it. With the `rdma` feature, `rdma` detects
-//! devices through libibverbs opened at run time and reports them.
 
 pub mod connect;
 pub mod group;

@@ -10,7 +10,8 @@ use serde::{Deserialize, Serialize};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Transport {
-    /// RDMA verbs (not built: never offered by this build).
+    /// RDMA verbs over an RC queue pair (cargo feature `rdma`; offered when a device has an
+    /// active port).
     Rdma,
     /// A shared-memory ring between two processes of one host.
     Shm,
@@ -73,10 +74,15 @@ pub fn host_id() -> String {
     std::env::var("HOSTNAME").unwrap_or_default()
 }
 
-/// What this build can offer right now: shared memory where a writable shared-memory directory
-/// exists, TCP and the libp2p stream always.
+/// What this build can offer right now: RDMA (with the `rdma` feature) when a device has an
+/// active port, shared memory where a writable shared-memory directory exists, TCP and the
+/// libp2p stream always.
 pub fn local_offer() -> Offer {
     let mut transports = Vec::new();
+    #[cfg(feature = "rdma")]
+    if super::rdma::detect().usable() {
+        transports.push(Transport::Rdma);
+    }
     if super::shm::shm_dir().is_some() {
         transports.push(Transport::Shm);
     }

@@ -277,18 +277,18 @@ impl Link for ShmLink {
 }
 
 /// Spins for 50 µs, then yields until 2 ms, then sleeps in 20 µs steps, until `limit` has passed.
-struct Waiter {
+pub(super) struct Waiter {
     started: Instant,
     limit: Duration,
 }
 
 impl Waiter {
-    fn new(limit: Duration) -> Waiter {
+    pub(super) fn new(limit: Duration) -> Waiter {
         Waiter { started: Instant::now(), limit }
     }
 
     /// Waits a little; false once the limit has passed.
-    fn wait(&mut self) -> bool {
+    pub(super) fn wait(&mut self) -> bool {
         let elapsed = self.started.elapsed();
         if elapsed < Duration::from_micros(50) {
             for _ in 0..64 {

@@ -48,6 +48,12 @@ impl TcpAcceptor {
 
     /// Accepts the first connection that presents `token` within `wait`; others are dropped.
     pub fn accept(&self, token: &[u8; TOKEN_BYTES], wait: Duration) -> Result<TcpLink, LinkError> {
+        TcpLink::new(self.accept_stream(token, wait)?)
+    }
+
+    /// The socket of the first connection that presents `token` within `wait` (blocking, no
+    /// timeouts set); others are dropped. Also the RDMA link's bootstrap.
+    pub fn accept_stream(&self, token: &[u8; TOKEN_BYTES], wait: Duration) -> Result<TcpStream, LinkError> {
         let until = Instant::now() + wait;
         self.listener.set_nonblocking(true).map_err(setup)?;
         loop {
@@ -57,7 +63,8 @@ impl TcpAcceptor {
                     stream.set_read_timeout(Some(SETUP)).map_err(setup)?;
                     let mut got = [0u8; TOKEN_BYTES];
                     if stream.try_clone().map_err(setup)?.read_exact(&mut got).is_ok() && &got == token {
-                        return TcpLink::new(stream);
+                        stream.set_read_timeout(None).map_err(setup)?;
+                        return Ok(stream);
                     }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {

@@ -141,11 +141,14 @@ pub fn spawn(config: SwarmConfig, net: NetHandle, mut net_events: mpsc::Receiver
     // Stage loads report back here from the stage thread.
     let (stage_done_tx, mut stage_done) = mpsc::unbounded_channel::<(String, StageKey, Result<(), String>)>();
     let mut offer = crate::dataplane::negotiate::local_offer();
-    if let Some(only) = &config.dataplane_transports {
-        offer.transports.retain(|t| only.contains(t));
-    }
     #[cfg(feature = "rdma")]
-    tracing::info!(target: "shoal::dataplane", event = "rdma_detected", found = ?crate::dataplane::rdma::detect(), "RDMA devices are reported, not offered: this build has no verbs link");
+    tracing::info!(target: "shoal::dataplane", event = "rdma_detected", found = ?crate::dataplane::rdma::detect(), offered = offer.transports.contains(&crate::dataplane::Transport::Rdma));
+    if let Some(only) = &config.dataplane_transports {
+        // Exactly these, even one detection did not find: it then fails setup and falls back.
+        offer.transports = only.clone();
+        offer.transports.sort();
+        offer.transports.dedup();
+    }
     let dataplane = DataplaneConfig { offer, ip: config.dataplane_ip };
     let hop = HopContext {
         me: config.advert.id.clone(),

@@ -1,7 +1,8 @@
 //! Forming a tensor-parallel group's data plane over the control plane: each member invites
 //! every higher rank with a `LinkInvite` RPC (its offer, a prepared shared-memory file, a TCP
-//! listener and token), the invited member sets up the common transports fastest first and
-//! answers with what it set up, and both keep those links, the fastest active, the rest as
+//! listener and token, with RDMA its queue-pair endpoint), the invited member sets up the
+//! common transports fastest first and answers with what it set up, and both keep those links,
+//! the fastest active, the rest as
 //! fallbacks. Links a member sets up on an invite wait in the `LinkBook` until its own
 //! formation takes them (or they expire). When both offer it, each pair also gets a libp2p link
 //! (`p2p_link`), last in the list; its frame route is registered before the invite or answer
@@ -132,13 +133,15 @@ fn invite_to_proto(key: &PairKey, invite: &Invite) -> v1::LinkInvite {
         shm_path: invite.shm_path.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
         tcp_addr: invite.tcp_addr.map(|a| a.to_string()).unwrap_or_default(),
         token: invite.token.clone(),
+        rdma_addr: invite.rdma_addr.map(|a| a.to_string()).unwrap_or_default(),
+        rdma_endpoint: invite.rdma_endpoint.clone(),
     }
 }
 
 /// Checks an inbound invite (sizes, names) and turns it into the pair and the invite.
 fn invite_from_proto(i: v1::LinkInvite) -> Result<(PairKey, Invite), String> {
     const MAX: usize = 1024;
-    if [&i.model, &i.epoch_leader, &i.host_id, &i.shm_path, &i.tcp_addr, &i.token].iter().any(|s| s.len() > MAX) || i.transports.len() > 8 {
+    if [&i.model, &i.epoch_leader, &i.host_id, &i.shm_path, &i.tcp_addr, &i.token, &i.rdma_addr, &i.rdma_endpoint].iter().any(|s| s.len() > MAX) || i.transports.len() > 8 {
         return Err("an oversized link invite".into());
     }
     if i.from_rank >= i.to_rank {
@@ -153,9 +156,11 @@ fn invite_from_proto(i: v1::LinkInvite) -> Result<(PairKey, Invite), String> {
         }
     }
     let tcp_addr = if i.tcp_addr.is_empty() { None } else { Some(i.tcp_addr.parse().map_err(|_| format!("a bad TCP address `{}`", i.tcp_addr))?) };
+    // The endpoint itself is validated by the RDMA link before any device is touched.
+    let rdma_addr = if i.rdma_addr.is_empty() { None } else { Some(i.rdma_addr.parse().map_err(|_| format!("a bad RDMA bootstrap address `{}`", i.rdma_addr))?) };
     let offer = Offer { host_id: i.host_id, transports: i.transports.iter().filter_map(|t| transport_from(t)).collect() };
     let key = PairKey { model: i.model, epoch: Epoch { round: i.epoch_round, leader: i.epoch_leader }, from_rank: i.from_rank as usize, to_rank: i.to_rank as usize };
-    Ok((key, Invite { offer, shm_path, tcp_addr, token: i.token }))
+    Ok((key, Invite { offer, shm_path, tcp_addr, token: i.token, rdma_addr, rdma_endpoint: i.rdma_endpoint }))
 }
 
 /// Answers an inbound invite: sets up the common transports and books the links.
