@@ -42,6 +42,10 @@ impl Link for ChannelLink {
     }
 
     fn recv(&mut self, wait: Duration) -> Result<Option<Frame>, LinkError> {
+        // Frames sent before the peer closed are still delivered, as a socket or ring would.
+        if let Ok(f) = self.rx.try_recv() {
+            return Ok(Some(f));
+        }
         if self.closed.load(Ordering::Acquire) {
             return Err(LinkError::Closed(Transport::Local));
         }
