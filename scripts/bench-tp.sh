@@ -2,7 +2,10 @@
 # Tensor-parallel benchmark: all-reduce latency per data-plane transport against raw TCP RTT,
 # then greedy decode tok/s of MODEL with 1, 2 and 4 `shoal tp-member` processes, each pinned
 # (taskset) to its own THREADS cores, with bytes per token on the data plane and the cost
-# model's prediction beside the measurement. All figures come from this one run.
+# model's prediction beside the measurement, the time per token each member spends inside
+# all-reduces (sending, receiving, waiting for the slower member), and a control: n independent
+# one-member processes run at once on the same cores ("solo"), the cost of sharing the host
+# without any all-reduce. All figures come from this one run.
 #   scripts/bench-tp.sh MODEL [THREADS per member] [STEPS] [MEMBERS...]
 # e.g. scripts/bench-tp.sh ~/qwen7b-random 4 64 1 2 4   (needs 16 cores for 4 × 4)
 set -euo pipefail
@@ -49,7 +52,7 @@ done
 
 echo
 echo "== decode: $model, $threads threads per member, $steps greedy steps"
-printf "%-8s %12s %10s %14s %14s %10s %8s\n" members "decode tok/s" speedup "bytes/token" "predicted t/s" transport fallback
+printf "%-8s %12s %10s %14s %14s %10s %8s %14s %12s\n" members "decode tok/s" speedup "bytes/token" "predicted t/s" transport fallback "all-reduce ms" "solo tok/s"
 base=
 for n in "${members[@]}"; do
   if (( n * threads > cores )); then echo "$n members × $threads threads need $(( n * threads )) cores; this machine has $cores (skipped)"; continue; fi
@@ -57,7 +60,15 @@ for n in "${members[@]}"; do
   out=$( for (( r = 0; r < n; r++ )); do taskset -c $(( r * threads ))-$(( r * threads + threads - 1 )) \
     "$shoal" tp-member --model "$model" --rank $r --size $n --threads $threads --rendezvous "$dir" --steps "$steps" & done; wait )
   rm -rf "$dir"
-  read -r tps bpt pred tr fb < <(echo "$out" | python3 -c '
+  # Control: n independent one-member processes at once on the same cores (what sharing the
+  # host's memory bus and caches costs without any all-reduce).
+  solo=-
+  if (( n > 1 )); then
+    solo=$( for (( r = 0; r < n; r++ )); do d=$(mktemp -d); taskset -c $(( r * threads ))-$(( r * threads + threads - 1 )) \
+      "$shoal" tp-member --model "$model" --rank 0 --size 1 --threads $threads --rendezvous "$d" --steps "$steps" & done; wait )
+    solo=$(echo "$solo" | python3 -c 'import sys,json; print("%.2f" % min(json.loads(l)["decode_tok_s"] for l in sys.stdin if l.strip().startswith("{")))')
+  fi
+  read -r tps bpt pred tr fb ar < <(echo "$out" | python3 -c '
 import sys, json
 rows = [json.loads(l) for l in sys.stdin if l.strip().startswith("{")]
 r0 = min(rows, key=lambda r: r["rank"])
@@ -65,7 +76,8 @@ assert all(r["tokens"] == r0["tokens"] for r in rows), "members disagree"
 steps = len(r0["tokens"])
 tr = ",".join(sorted({t[1] for t in r0["transports"]})) or "-"
 tps = min(r["decode_tok_s"] for r in rows)
-print("%.2f %d %.2f %s %d" % (tps, r0["bytes_sent"] // max(steps, 1), r0["predicted_tok_s"], tr, r0["fallbacks"]))')
+ar = max(r.get("allreduce_ms_per_token", 0) for r in rows)
+print("%.2f %d %.2f %s %d %.1f" % (tps, r0["bytes_sent"] // max(steps, 1), r0["predicted_tok_s"], tr, r0["fallbacks"], ar))')
   [ -z "$base" ] && base=$tps
-  printf "%-8s %12s %10s %14s %14s %10s %8s\n" "$n" "$tps" "$(python3 -c "print(f'{$tps / $base:.2f}x')")" "$bpt" "$pred" "$tr" "$fb"
+  printf "%-8s %12s %10s %14s %14s %10s %8s %14s %12s\n" "$n" "$tps" "$(python3 -c "print(f'{$tps / $base:.2f}x')")" "$bpt" "$pred" "$tr" "$fb" "$ar" "$solo"
 done

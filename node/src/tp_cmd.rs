@@ -118,6 +118,7 @@ pub fn run(args: TpMemberArgs) -> anyhow::Result<()> {
     let started = Instant::now();
     let mut prefill = Duration::ZERO;
     let mut used = Vec::new();
+    let mut reduce_at_prefill = Duration::ZERO;
     for step in 0..args.steps {
         if args.break_link_after == Some(step) && args.rank == 0 {
             used = group.transports();
@@ -129,10 +130,12 @@ pub fn run(args: TpMemberArgs) -> anyhow::Result<()> {
         input = vec![next];
         if step == 0 {
             prefill = started.elapsed();
+            reduce_at_prefill = group.reduce_time();
         }
     }
     let decode = started.elapsed() - prefill;
     let decode_tok_s = if args.steps > 1 { (args.steps - 1) as f64 / decode.as_secs_f64() } else { 0.0 };
+    let allreduce_ms_per_token = (group.reduce_time() - reduce_at_prefill).as_secs_f64() * 1e3 / args.steps.saturating_sub(1).max(1) as f64;
     let (transports, fallbacks, bytes_sent) = (group.transports(), group.fallbacks(), group.bytes_sent());
     // A last one-value call, so that no member exits (closing its links) while a peer is still
     // in the generation's last call; its outcome no longer matters to the figures above.
@@ -146,6 +149,7 @@ pub fn run(args: TpMemberArgs) -> anyhow::Result<()> {
         "tokens": tokens,
         "prefill_ms": prefill.as_secs_f64() * 1e3,
         "decode_tok_s": decode_tok_s,
+        "allreduce_ms_per_token": allreduce_ms_per_token,
         "transports_before_break": used,
         "transports": transports,
         "fallbacks": fallbacks,

@@ -93,6 +93,8 @@ pub struct LinkGroup {
     size: usize,
     deadline: Duration,
     inner: Mutex<Inner>,
+    /// Nanoseconds spent inside `all_reduce` (waiting for peers included), for benchmarks.
+    reduce_nanos: std::sync::atomic::AtomicU64,
 }
 
 impl LinkGroup {
@@ -113,7 +115,7 @@ impl LinkGroup {
                 peers.push(Some(PeerLinks { peer, links: l.into(), retained: Vec::new(), early: Vec::new(), fallbacks: 0, bytes_sent: 0 }));
             }
         }
-        Ok(LinkGroup { rank, size, deadline, inner: Mutex::new(Inner { seq: 0, peers }) })
+        Ok(LinkGroup { rank, size, deadline, inner: Mutex::new(Inner { seq: 0, peers }), reduce_nanos: Default::default() })
     }
 
     pub fn rank(&self) -> usize {
@@ -134,6 +136,12 @@ impl LinkGroup {
     pub fn fallbacks(&self) -> usize {
         let inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         inner.peers.iter().flatten().map(|p| p.fallbacks).sum()
+    }
+
+    /// Time this member has spent inside all-reduce calls: sending, receiving and waiting for
+    /// slower peers.
+    pub fn reduce_time(&self) -> Duration {
+        Duration::from_nanos(self.reduce_nanos.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Bytes this member has sent to all peers.
@@ -159,6 +167,15 @@ impl AllReduce for LinkGroup {
         if self.size == 1 {
             return Ok(());
         }
+        let started = Instant::now();
+        let result = self.reduce(buf);
+        self.reduce_nanos.fetch_add(started.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+        result
+    }
+}
+
+impl LinkGroup {
+    fn reduce(&self, buf: &mut [f32]) -> Result<(), AllReduceError> {
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         inner.seq += 1;
         let mut call = Call { rank: self.rank, size: self.size, seq: inner.seq, until: Instant::now() + self.deadline, peers: &mut inner.peers };
