@@ -16,7 +16,7 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
-use act::{Q8K, Q8_0};
+use act::{Q8x4, Q8K};
 
 /// The weight formats these kernels multiply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +59,25 @@ impl QType {
     fn k_quant(self) -> bool {
         matches!(self, QType::Q4K | QType::Q6K)
     }
+
+    /// Values per repacked unit (a k-quant block, or a group of four 32-value blocks): rows must
+    /// hold whole units.
+    pub fn group_len(self) -> usize {
+        if self.k_quant() { 256 } else { 128 }
+    }
+
+    /// Rewrites row-major GGUF blocks into the kernels' step order, in place (`portable.rs`).
+    fn repack(self, data: &mut [u8]) {
+        let unit = self.group_len() / self.block_len() * self.block_bytes();
+        for g in data.chunks_exact_mut(unit) {
+            match self {
+                QType::Q4K => portable::repack_q4k(g),
+                QType::Q6K => portable::repack_q6k(g),
+                QType::Q8_0 => portable::repack_q8_0x4(g),
+                QType::Q5_0 => portable::repack_q5_0x4(g),
+            }
+        }
+    }
 }
 
 /// Which implementation runs the dot products (tests pin one; `Auto` picks the fastest).
@@ -85,7 +104,8 @@ impl Isa {
     }
 }
 
-/// A `rows × cols` weight matrix (`y = x W^T`) in a GGUF block format, row-major.
+/// A `rows × cols` weight matrix (`y = x W^T`) in a GGUF block format, row-major, each block (or
+/// group of four 32-value blocks) rewritten in step order at load: the only copy of the weights.
 #[derive(Debug)]
 pub struct QMatrix {
     pub ty: QType,
@@ -112,22 +132,24 @@ impl QMatrix {
     pub fn from_qtensor(q: &QTensor) -> Result<Option<QMatrix>, KernelError> {
         let Some(ty) = QType::from_ggml(q.dtype()) else { return Ok(None) };
         let Ok((rows, cols)) = q.shape().dims2() else { return Ok(None) };
-        if cols % ty.block_len() != 0 {
+        if cols % ty.group_len() != 0 {
             return Ok(None);
         }
         let data = q.data().map_err(|e| KernelError::Data(e.to_string()))?.into_owned();
         QMatrix::from_bytes(ty, rows, cols, data).map(Some)
     }
 
-    /// A matrix from raw GGUF blocks (`rows * cols / block_len` blocks, row after row).
-    pub fn from_bytes(ty: QType, rows: usize, cols: usize, data: Vec<u8>) -> Result<QMatrix, KernelError> {
-        if cols == 0 || cols % ty.block_len() != 0 {
-            return Err(KernelError::Unsupported(format!("{cols} columns are not whole {ty:?} blocks")));
+    /// A matrix from raw GGUF blocks (`rows * cols / block_len` blocks, row after row), repacked
+    /// in place.
+    pub fn from_bytes(ty: QType, rows: usize, cols: usize, mut data: Vec<u8>) -> Result<QMatrix, KernelError> {
+        if cols == 0 || cols % ty.group_len() != 0 {
+            return Err(KernelError::Unsupported(format!("{cols} columns are not whole {ty:?} groups of {}", ty.group_len())));
         }
         let row_bytes = cols / ty.block_len() * ty.block_bytes();
         if data.len() != rows * row_bytes {
             return Err(KernelError::Data(format!("{} bytes for {rows}×{cols} {ty:?}", data.len())));
         }
+        ty.repack(&mut data);
         Ok(QMatrix { ty, rows, cols, row_bytes, data })
     }
 
@@ -163,11 +185,11 @@ impl QMatrix {
 /// `m` activation rows quantized for one family of formats.
 enum Acts {
     K(Vec<Q8K>),
-    Zero(Vec<Q8_0>),
+    Zero(Vec<Q8x4>),
 }
 
 fn quantize_rows(x: &[f32], m: usize, k: usize, k_quant: bool, isa: Isa, pool: &pool::Pool) -> Acts {
-    let per_row = if k_quant { k / 256 } else { k / 32 };
+    let per_row = if k_quant { k / 256 } else { k / 128 };
     let rows_per_task = (m / (4 * pool.threads())).max(1);
     let tasks = m.div_ceil(rows_per_task);
     macro_rules! run {
@@ -193,7 +215,7 @@ fn quantize_rows(x: &[f32], m: usize, k: usize, k_quant: bool, isa: Isa, pool: &
     if k_quant {
         run!(Q8K, K, act::quantize_q8k, act::quantize_q8k_portable)
     } else {
-        run!(Q8_0, Zero, act::quantize_q8_0, act::quantize_q8_0_portable)
+        run!(Q8x4, Zero, act::quantize_q8x4, act::quantize_q8x4_portable)
     }
 }
 
@@ -233,8 +255,8 @@ fn dot_rows<const R: usize>(w: &QMatrix, row: usize, acts: &Acts, a_rows: [usize
             }
         }
         Acts::Zero(a) => {
-            let per = w.cols / 32;
-            let ar: [&[Q8_0]; R] = a_rows.map(|i| &a[i * per..(i + 1) * per]);
+            let per = w.cols / 128;
+            let ar: [&[Q8x4]; R] = a_rows.map(|i| &a[i * per..(i + 1) * per]);
             match (isa, w.ty) {
                 // SAFETY: as above.
                 #[cfg(target_arch = "x86_64")]
