@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use candle_core::{Device, Module, Tensor};
+use candle_core::{CpuStorage, Device, Module, Tensor};
 
 use super::cache::LayerCache;
 use super::spec::{Activation, ModelSpec, Rope, RopeStyle};
@@ -295,6 +295,12 @@ impl Attention {
             _ => 0,
         };
         let keys = total - first_key;
+        // Decode on the CPU: one query row reads the cache in place (no copy, no mask needed).
+        if t == 1 && b == 1 && self.kv_of_head.is_none() && x.device().is_cpu() {
+            if let Some(out) = self.attend_cached(&q, cache, first_key..total)? {
+                return self.o.forward(&out);
+            }
+        }
         let (mut k_all, mut v_all) = (k_all.narrow(2, first_key, keys)?, v_all.narrow(2, first_key, keys)?);
         // cuBLAS reads the cache's strided rows as they are; the CPU matmul is faster on a copy.
         if x.device().is_cpu() {
@@ -329,6 +335,30 @@ impl Attention {
             .transpose(1, 2)?
             .reshape((b, t, self.num_heads * self.head_dim))?;
         self.o.forward(&out)
+    }
+}
+
+impl Attention {
+    /// One query position against the KV cache buffers read in place (`kernels::attend`);
+    /// `None` when the cache is not f32 CPU storage (the caller then takes the general path).
+    fn attend_cached(&self, q: &Tensor, cache: &LayerCache, keys: Range<usize>) -> Result<Option<Tensor>> {
+        let Some((kb, vb)) = cache.buffers() else { return Ok(None) };
+        let capacity = kb.dim(2)?;
+        let (ks, kl) = kb.storage_and_layout();
+        let (vs, vl) = vb.storage_and_layout();
+        let (candle_core::Storage::Cpu(CpuStorage::F32(k)), candle_core::Storage::Cpu(CpuStorage::F32(v))) = (&*ks, &*vs) else { return Ok(None) };
+        if !kl.is_contiguous() || !vl.is_contiguous() {
+            return Ok(None);
+        }
+        let n = self.num_kv_heads * capacity * self.head_dim;
+        let (k, v) = (&k[kl.start_offset()..kl.start_offset() + n], &v[vl.start_offset()..vl.start_offset() + n]);
+        let qv = q.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let mut out = vec![0f32; self.num_heads * self.head_dim];
+        let view = kernels::attend::KvView { k, v, capacity };
+        let softcap = self.softcap.map(|c| c as f32);
+        kernels::attend::attend_one(&qv, self.num_heads, self.num_kv_heads, self.head_dim, &view, keys, self.scale as f32, softcap, &mut out, kernels::pool::global());
+        drop((ks, vs));
+        Ok(Some(Tensor::from_vec(out, (1, 1, self.num_heads * self.head_dim), q.device())?.to_dtype(q.dtype())?))
     }
 }
 

@@ -6,6 +6,7 @@
 //! It does not handle f32/f16 or other GGUF formats: those stay on candle's `QMatMul`.
 
 pub mod act;
+pub mod attend;
 pub mod pool;
 pub mod portable;
 #[cfg(target_arch = "x86_64")]
@@ -220,12 +221,12 @@ fn quantize_rows(x: &[f32], m: usize, k: usize, k_quant: bool, isa: Isa, pool: &
 }
 
 #[derive(Clone, Copy)]
-struct SendPtr<T>(*mut T);
+pub(crate) struct SendPtr<T>(pub(crate) *mut T);
 // SAFETY: used only to hand disjoint parts of one buffer to pool tasks.
 unsafe impl<T> Send for SendPtr<T> {}
 unsafe impl<T> Sync for SendPtr<T> {}
 impl<T> SendPtr<T> {
-    fn get(self) -> *mut T {
+    pub(crate) fn get(self) -> *mut T {
         self.0
     }
 }
