@@ -125,7 +125,7 @@ fn activation_quantization_is_identical_across_implementations() {
     act::quantize_q8k_portable(&x, &mut a);
     act::quantize_q8k(&x, &mut b);
     for (p, q) in a.iter().zip(&b) {
-        assert_eq!((p.d, p.qs, p.bsl, p.bsh), (q.d, q.qs, q.bsl, q.bsh));
+        assert_eq!((p.d, p.qs, p.ybs, p.nbl, p.nbh), (q.d, q.qs, q.ybs, q.nbl, q.nbh));
     }
     let mut a = vec![Q8x4::default(); 32];
     let mut b = vec![Q8x4::default(); 32];

@@ -8,19 +8,22 @@
 //! It does not quantize weights: GGUF weights arrive quantized and are only copied (and reordered).
 
 /// 256 activations as `d * value`. `qs[32 k + 4 s + e]` is value `32 s + 4 k + e` (k, s < 8,
-/// e < 4); `bsl[s]` / `bsh[s]` are the sums of values `32 s .. 32 s + 16` / `32 s + 16 .. 32 s + 32`.
+/// e < 4). With `bl[s]` / `bh[s]` the sums of values `32 s .. 32 s + 16` / `32 s + 16 .. 32 s + 32`,
+/// the partial sums the kernels' corrections take are stored ready to use: `ybs[s] = d (bl[s] +
+/// bh[s])` (Q4_K's mins) and `nbl[s] = -32 bl[s]`, `nbh[s] = -32 bh[s]` (Q6_K's offset of 32).
 #[derive(Debug, Clone, Copy)]
 #[repr(C, align(32))]
 pub struct Q8K {
+    pub ybs: [f32; 8],
+    pub nbl: [i32; 8],
+    pub nbh: [i32; 8],
     pub d: f32,
-    pub bsl: [i32; 8],
-    pub bsh: [i32; 8],
     pub qs: [i8; 256],
 }
 
 impl Default for Q8K {
     fn default() -> Self {
-        Q8K { d: 0.0, bsl: [0; 8], bsh: [0; 8], qs: [0; 256] }
+        Q8K { ybs: [0.0; 8], nbl: [0; 8], nbh: [0; 8], d: 0.0, qs: [0; 256] }
     }
 }
 
@@ -63,17 +66,19 @@ pub fn quantize_q8k_portable(xs: &[f32], out: &mut [Q8K]) {
         for (q, &v) in nat.iter_mut().zip(x) {
             *q = (iscale * v).round_ties_even().clamp(-128.0, 127.0) as i8;
         }
-        finish_q8k(y, &nat);
-        y.d = 1.0 / iscale;
+        finish_q8k(y, &nat, 1.0 / iscale);
     }
 }
 
-/// Sums and step order of a block from its values in natural order.
-pub(crate) fn finish_q8k(y: &mut Q8K, nat: &[i8; 256]) {
+/// Scale, sums and step order of a block from its values in natural order.
+pub(crate) fn finish_q8k(y: &mut Q8K, nat: &[i8; 256], d: f32) {
     let sum = |r: &[i8]| r.iter().map(|&q| q as i32).sum::<i32>();
+    y.d = d;
     for s in 0..8 {
-        y.bsl[s] = sum(&nat[32 * s..32 * s + 16]);
-        y.bsh[s] = sum(&nat[32 * s + 16..32 * s + 32]);
+        let (bl, bh) = (sum(&nat[32 * s..32 * s + 16]), sum(&nat[32 * s + 16..32 * s + 32]));
+        y.ybs[s] = d * (bl + bh) as f32;
+        y.nbl[s] = -32 * bl;
+        y.nbh[s] = -32 * bh;
         for k in 0..8 {
             y.qs[32 * k + 4 * s..32 * k + 4 * s + 4].copy_from_slice(&nat[32 * s + 4 * k..32 * s + 4 * k + 4]);
         }

@@ -209,13 +209,11 @@ pub fn dot_q4k(w: &[u8], a: &[Q8K]) -> f32 {
     for (b, y) in w.chunks_exact(144).zip(a) {
         let (sc, mn) = q4k_scales_mins(&b[4..16]);
         let u = q4k_steps(b);
-        let mut isum = 0i32;
-        let mut msum = 0i32;
+        let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
         for s in 0..8 {
-            isum += sc[s] as i32 * lane_dot(&u, &y.qs, 0..8, 4 * s, 4);
-            msum += mn[s] as i32 * (y.bsl[s] + y.bsh[s]);
+            sum += d * sc[s] as f32 * y.d * lane_dot(&u, &y.qs, 0..8, 4 * s, 4) as f32;
+            sum -= dmin * mn[s] as f32 * y.ybs[s];
         }
-        sum += f16_at(b, 0) * y.d * isum as f32 - f16_at(b, 2) * y.d * msum as f32;
     }
     sum
 }
@@ -225,12 +223,12 @@ pub fn dot_q6k(w: &[u8], a: &[Q8K]) -> f32 {
     for (b, y) in w.chunks_exact(210).zip(a) {
         let u = q6k_steps(b);
         let sc = |t: usize| (b[192 + t] as i8) as i32;
-        let mut isum = 0i32;
+        let d = f16_at(b, 208);
         for s in 0..8 {
-            isum += sc(2 * s) * (lane_dot(&u, &y.qs, 0..4, 4 * s, 4) - 32 * y.bsl[s]);
-            isum += sc(2 * s + 1) * (lane_dot(&u, &y.qs, 4..8, 4 * s, 4) - 32 * y.bsh[s]);
+            let lo = (lane_dot(&u, &y.qs, 0..4, 4 * s, 4) + y.nbl[s]) as f32;
+            let hi = (lane_dot(&u, &y.qs, 4..8, 4 * s, 4) + y.nbh[s]) as f32;
+            sum += y.d * (d * sc(2 * s) as f32 * lo + d * sc(2 * s + 1) as f32 * hi);
         }
-        sum += f16_at(b, 208) * y.d * isum as f32;
     }
     sum
 }

@@ -106,8 +106,9 @@ macro_rules! kernels {
                 utmp[1] = (utmp[2] & KMASK2) | (((utmp[0] >> 6) & KMASK3) << 4);
                 utmp[2] = uaux;
                 utmp[0] &= KMASK1;
-                let sc = _mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, utmp[1] as i32, utmp[0] as i32));
-                let mn = _mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, utmp[3] as i32, utmp[2] as i32));
+                // d × the sub-block scales and dmin × the mins, as f32 lanes.
+                let dsc = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, utmp[1] as i32, utmp[0] as i32))));
+                let dmn = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, utmp[3] as i32, utmp[2] as i32))));
                 let mut dp = [_mm256_setzero_si256(); R];
                 let q4 = b.add(16);
                 for c in 0..4 {
@@ -120,14 +121,11 @@ macro_rules! kernels {
                         dp[r] = dpbusd(dp[r], hi, loadu(q8.add(32 * c + 128)));
                     }
                 }
-                let (vd, vm) = (_mm256_set1_ps(d), _mm256_set1_ps(dmin));
                 for r in 0..R {
                     let y = a[r].get_unchecked(i);
-                    let bs = _mm256_add_epi32(loadu(y.bsl.as_ptr() as *const u8), loadu(y.bsh.as_ptr() as *const u8));
-                    let s = _mm256_cvtepi32_ps(_mm256_mullo_epi32(dp[r], sc));
-                    let m = _mm256_cvtepi32_ps(_mm256_mullo_epi32(bs, mn));
-                    let t = _mm256_fmsub_ps(vd, s, _mm256_mul_ps(vm, m));
-                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(y.d), t, acc[r]);
+                    let s = _mm256_mul_ps(dsc, _mm256_set1_ps(y.d));
+                    acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dp[r]), acc[r]);
+                    acc[r] = _mm256_fnmadd_ps(dmn, _mm256_loadu_ps(y.ybs.as_ptr()), acc[r]);
                 }
             }
             let mut out = [0f32; R];
@@ -152,14 +150,16 @@ macro_rules! kernels {
                 let b = w.as_ptr().add(210 * i);
                 let d = f16(b.add(208));
                 let eo = _mm_shuffle_epi8(_mm_loadu_si128(b.add(192) as *const __m128i), even_odd);
-                let sca = _mm256_cvtepi8_epi32(eo);
-                let scb = _mm256_cvtepi8_epi32(_mm_srli_si128(eo, 8));
+                // d × the scales of the even and odd 16-value sub-blocks, as f32 lanes.
+                let sca = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eo)));
+                let scb = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(eo, 8))));
+                // Values are stored as q + 32: start from -32 × the activation sums.
                 let mut dpa = [_mm256_setzero_si256(); R];
                 let mut dpb = [_mm256_setzero_si256(); R];
                 for r in 0..R {
                     let y = a[r].get_unchecked(i);
-                    dpa[r] = _mm256_sub_epi32(dpa[r], _mm256_slli_epi32(loadu(y.bsl.as_ptr() as *const u8), 5));
-                    dpb[r] = _mm256_sub_epi32(dpb[r], _mm256_slli_epi32(loadu(y.bsh.as_ptr() as *const u8), 5));
+                    dpa[r] = loadu(y.nbl.as_ptr() as *const u8);
+                    dpb[r] = loadu(y.nbh.as_ptr() as *const u8);
                 }
                 let qh = [loadu(b.add(128)), loadu(b.add(160))];
                 for c in 0..4 {
@@ -178,9 +178,8 @@ macro_rules! kernels {
                     }
                 }
                 for r in 0..R {
-                    let yd = a[r].get_unchecked(i).d;
-                    let s = _mm256_add_epi32(_mm256_mullo_epi32(dpa[r], sca), _mm256_mullo_epi32(dpb[r], scb));
-                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * yd), _mm256_cvtepi32_ps(s), acc[r]);
+                    let t = _mm256_fmadd_ps(scb, _mm256_cvtepi32_ps(dpb[r]), _mm256_mul_ps(sca, _mm256_cvtepi32_ps(dpa[r])));
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a[r].get_unchecked(i).d), t, acc[r]);
                 }
             }
             let mut out = [0f32; R];
@@ -318,8 +317,7 @@ macro_rules! kernels {
                 for k in 0..8 {
                     quantize32(x.as_ptr().add(32 * k), s, nat.as_mut_ptr().add(32 * k));
                 }
-                finish_q8k(y, &nat);
-                y.d = 1.0 / iscale;
+                finish_q8k(y, &nat, 1.0 / iscale);
             }
         }
 
