@@ -407,12 +407,35 @@ impl Mlp {
             Some(fused) => Linear::split(fused.forward(x)?, [&self.gate, &self.up])?,
             None => Linear::forward_group([&self.gate, &self.up], x)?,
         };
+        if let Some(h) = gated_on_pool(self.activation, &gate, &up)? {
+            return self.down.forward(&h);
+        }
         let gate = match self.activation {
             Activation::Silu => candle_nn::ops::silu(&gate)?,
             Activation::GeluTanh => gate.gelu()?,
         };
         self.down.forward(&(gate * up)?)
     }
+}
+
+/// `act(gate) * up` in one pass on the kernel pool, for contiguous f32 CPU tensors (`None`
+/// otherwise: the caller uses candle's ops, which give the same values).
+fn gated_on_pool(act: Activation, gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
+    if !gate.device().is_cpu() || gate.dtype() != candle_core::DType::F32 || up.dtype() != candle_core::DType::F32 || gate.shape() != up.shape() {
+        return Ok(None);
+    }
+    let (gs, gl) = gate.storage_and_layout();
+    let (us, ul) = up.storage_and_layout();
+    let (candle_core::Storage::Cpu(CpuStorage::F32(g)), candle_core::Storage::Cpu(CpuStorage::F32(u))) = (&*gs, &*us) else { return Ok(None) };
+    let (Some((g0, g1)), Some((u0, u1))) = (gl.contiguous_offsets(), ul.contiguous_offsets()) else { return Ok(None) };
+    let mut out = vec![0f32; g1 - g0];
+    let act = match act {
+        Activation::Silu => kernels::gated::Gate::Silu,
+        Activation::GeluTanh => kernels::gated::Gate::GeluTanh,
+    };
+    kernels::gated::gated(act, &g[g0..g1], &u[u0..u1], &mut out, kernels::pool::global());
+    drop((gs, us));
+    Ok(Some(Tensor::from_vec(out, gate.shape(), gate.device())?))
 }
 
 /// One transformer block: pre-norm attention and MLP with residuals, plus Gemma's sandwich norms.

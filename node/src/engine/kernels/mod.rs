@@ -7,6 +7,7 @@
 
 pub mod act;
 pub mod attend;
+pub mod gated;
 pub mod pool;
 pub mod portable;
 #[cfg(target_arch = "x86_64")]
