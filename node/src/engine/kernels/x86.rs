@@ -109,22 +109,29 @@ macro_rules! kernels {
                 // d × the sub-block scales and dmin × the mins, as f32 lanes.
                 let dsc = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, utmp[1] as i32, utmp[0] as i32))));
                 let dmn = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, utmp[3] as i32, utmp[2] as i32))));
-                let mut dp = [_mm256_setzero_si256(); R];
+                // Independent accumulator chains (two per row, four for one row): a single chain
+                // of eight dependent dot products per block is bound by their latency.
+                let mut dp = [[_mm256_setzero_si256(); R]; 4];
                 let q4 = b.add(16);
                 for c in 0..4 {
                     let bits = loadu(q4.add(32 * c));
                     let lo = _mm256_and_si256(bits, m4);
                     let hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+                    let ch = if R == 1 { 2 * (c & 1) } else { 0 };
                     for r in 0..R {
                         let q8 = a[r].get_unchecked(i).qs.as_ptr() as *const u8;
-                        dp[r] = dpbusd(dp[r], lo, loadu(q8.add(32 * c)));
-                        dp[r] = dpbusd(dp[r], hi, loadu(q8.add(32 * c + 128)));
+                        dp[ch][r] = dpbusd(dp[ch][r], lo, loadu(q8.add(32 * c)));
+                        dp[ch + 1][r] = dpbusd(dp[ch + 1][r], hi, loadu(q8.add(32 * c + 128)));
                     }
                 }
                 for r in 0..R {
                     let y = a[r].get_unchecked(i);
+                    let mut d = _mm256_add_epi32(dp[0][r], dp[1][r]);
+                    if R == 1 {
+                        d = _mm256_add_epi32(d, _mm256_add_epi32(dp[2][r], dp[3][r]));
+                    }
                     let s = _mm256_mul_ps(dsc, _mm256_set1_ps(y.d));
-                    acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dp[r]), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(d), acc[r]);
                     acc[r] = _mm256_fnmadd_ps(dmn, _mm256_loadu_ps(y.ybs.as_ptr()), acc[r]);
                 }
             }
@@ -154,12 +161,13 @@ macro_rules! kernels {
                 let sca = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eo)));
                 let scb = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(eo, 8))));
                 // Values are stored as q + 32: start from -32 × the activation sums.
-                let mut dpa = [_mm256_setzero_si256(); R];
-                let mut dpb = [_mm256_setzero_si256(); R];
+                // Two chains per row (low and high steps); one row gets four.
+                let mut dpa = [[_mm256_setzero_si256(); R]; 2];
+                let mut dpb = [[_mm256_setzero_si256(); R]; 2];
                 for r in 0..R {
                     let y = a[r].get_unchecked(i);
-                    dpa[r] = loadu(y.nbl.as_ptr() as *const u8);
-                    dpb[r] = loadu(y.nbh.as_ptr() as *const u8);
+                    dpa[0][r] = loadu(y.nbl.as_ptr() as *const u8);
+                    dpb[0][r] = loadu(y.nbh.as_ptr() as *const u8);
                 }
                 let qh = [loadu(b.add(128)), loadu(b.add(160))];
                 for c in 0..4 {
@@ -171,14 +179,19 @@ macro_rules! kernels {
                     let hh = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, shift4), m3), 4);
                     let qa = _mm256_or_si256(_mm256_and_si256(bits, m4), hl);
                     let qb = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), hh);
+                    let ch = if R == 1 { c & 1 } else { 0 };
                     for r in 0..R {
                         let q8 = a[r].get_unchecked(i).qs.as_ptr() as *const u8;
-                        dpa[r] = dpbusd(dpa[r], qa, loadu(q8.add(32 * c)));
-                        dpb[r] = dpbusd(dpb[r], qb, loadu(q8.add(32 * c + 128)));
+                        dpa[ch][r] = dpbusd(dpa[ch][r], qa, loadu(q8.add(32 * c)));
+                        dpb[ch][r] = dpbusd(dpb[ch][r], qb, loadu(q8.add(32 * c + 128)));
                     }
                 }
                 for r in 0..R {
-                    let t = _mm256_fmadd_ps(scb, _mm256_cvtepi32_ps(dpb[r]), _mm256_mul_ps(sca, _mm256_cvtepi32_ps(dpa[r])));
+                    let (mut da, mut db) = (dpa[0][r], dpb[0][r]);
+                    if R == 1 {
+                        (da, db) = (_mm256_add_epi32(da, dpa[1][r]), _mm256_add_epi32(db, dpb[1][r]));
+                    }
+                    let t = _mm256_fmadd_ps(scb, _mm256_cvtepi32_ps(db), _mm256_mul_ps(sca, _mm256_cvtepi32_ps(da)));
                     acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a[r].get_unchecked(i).d), t, acc[r]);
                 }
             }
@@ -201,6 +214,7 @@ macro_rules! kernels {
                 let g = w.as_ptr().add(136 * i);
                 let dw = group_scales(g);
                 let mut dp = [_mm256_setzero_si256(); R];
+                let mut dp2 = [_mm256_setzero_si256(); R];
                 if $vnni {
                     // The weights go in as unsigned (q + 128); take 128 × the activation sums back.
                     for r in 0..R {
@@ -214,20 +228,28 @@ macro_rules! kernels {
                         let u = _mm256_xor_si256(q, _mm256_set1_epi8(0x80u8 as i8));
                         for r in 0..R {
                             let y = a[r].get_unchecked(i).qs.as_ptr() as *const u8;
-                            dp[r] = dpbusd(dp[r], u, loadu(y.add(32 * k)));
+                            if k % 2 == 0 {
+                                dp[r] = dpbusd(dp[r], u, loadu(y.add(32 * k)));
+                            } else {
+                                dp2[r] = dpbusd(dp2[r], u, loadu(y.add(32 * k)));
+                            }
                         }
                     } else {
                         let aq = _mm256_sign_epi8(q, q);
                         for r in 0..R {
                             let y = a[r].get_unchecked(i).qs.as_ptr() as *const u8;
-                            dp[r] = dpbusd(dp[r], aq, _mm256_sign_epi8(loadu(y.add(32 * k)), q));
+                            if k % 2 == 0 {
+                                dp[r] = dpbusd(dp[r], aq, _mm256_sign_epi8(loadu(y.add(32 * k)), q));
+                            } else {
+                                dp2[r] = dpbusd(dp2[r], aq, _mm256_sign_epi8(loadu(y.add(32 * k)), q));
+                            }
                         }
                     }
                 }
                 for r in 0..R {
                     let y = a[r].get_unchecked(i);
                     let s = _mm256_mul_ps(dw, _mm256_loadu_ps(y.d.as_ptr()));
-                    acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dp[r]), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_add_epi32(dp[r], dp2[r])), acc[r]);
                 }
             }
             let mut out = [0f32; R];
@@ -251,6 +273,7 @@ macro_rules! kernels {
                 let dw = group_scales(g);
                 let word = |k: usize| u32::from_le_bytes([*g.add(8 + 4 * k), *g.add(9 + 4 * k), *g.add(10 + 4 * k), *g.add(11 + 4 * k)]);
                 let mut dp = [_mm256_setzero_si256(); R];
+                let mut dp2 = [_mm256_setzero_si256(); R];
                 for r in 0..R {
                     // Values are stored as q + 16; take 16 × the activation sums back.
                     let y = a[r].get_unchecked(i);
@@ -263,13 +286,13 @@ macro_rules! kernels {
                     for r in 0..R {
                         let y = a[r].get_unchecked(i).qs.as_ptr() as *const u8;
                         dp[r] = dpbusd(dp[r], qa, loadu(y.add(32 * c)));
-                        dp[r] = dpbusd(dp[r], qb, loadu(y.add(32 * c + 64)));
+                        dp2[r] = dpbusd(dp2[r], qb, loadu(y.add(32 * c + 64)));
                     }
                 }
                 for r in 0..R {
                     let y = a[r].get_unchecked(i);
                     let s = _mm256_mul_ps(dw, _mm256_loadu_ps(y.d.as_ptr()));
-                    acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dp[r]), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_add_epi32(dp[r], dp2[r])), acc[r]);
                 }
             }
             let mut out = [0f32; R];
