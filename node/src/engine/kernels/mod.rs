@@ -277,6 +277,36 @@ fn dot_rows<const R: usize>(w: &QMatrix, row: usize, acts: &Acts, a_rows: [usize
     }
 }
 
+/// Rows `rows` of `w` against the one activation row in `acts` (decode).
+fn gemv(w: &QMatrix, rows: std::ops::Range<usize>, acts: &Acts, isa: Isa, out: &mut [f32]) {
+    let wr = &w.data[rows.start * w.row_bytes..rows.end * w.row_bytes];
+    let rb = w.row_bytes;
+    match (acts, isa, w.ty) {
+        // SAFETY: `Isa::Avx2` / `Avx512` are only chosen when the CPU has those features.
+        #[cfg(target_arch = "x86_64")]
+        (Acts::K(a), Isa::Avx512, QType::Q4K) => unsafe { x86::avx512::gemv_q4k(wr, rb, a, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Acts::K(a), Isa::Avx512, QType::Q6K) => unsafe { x86::avx512::gemv_q6k(wr, rb, a, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Acts::Zero(a), Isa::Avx512, QType::Q8_0) => unsafe { x86::avx512::gemv_q8_0(wr, rb, a, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Acts::Zero(a), Isa::Avx512, QType::Q5_0) => unsafe { x86::avx512::gemv_q5_0(wr, rb, a, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Acts::K(a), Isa::Avx2, QType::Q4K) => unsafe { x86::avx2::gemv_q4k(wr, rb, a, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Acts::K(a), Isa::Avx2, QType::Q6K) => unsafe { x86::avx2::gemv_q6k(wr, rb, a, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Acts::Zero(a), Isa::Avx2, QType::Q8_0) => unsafe { x86::avx2::gemv_q8_0(wr, rb, a, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Acts::Zero(a), Isa::Avx2, QType::Q5_0) => unsafe { x86::avx2::gemv_q5_0(wr, rb, a, out) },
+        _ => {
+            for (o, r) in out.iter_mut().zip(rows) {
+                *o = dot_rows::<1>(w, r, acts, [0], isa)[0];
+            }
+        }
+    }
+}
+
 /// `out[i] = x · W_i^T` for every matrix `W_i` (all with `cols == k`), `x` being `m × k` row-major
 /// and `out[i]` `m × W_i.rows`. Activations are quantized once per format family, and all the
 /// matrices' rows are shared out as one job on the pool.
@@ -311,6 +341,12 @@ pub fn matmul_many(mats: &[&QMatrix], x: &[f32], m: usize, outs: &mut [&mut [f32
         let acts = if w.ty.k_quant() { acts_k.as_ref() } else { acts_0.as_ref() }.expect("quantized above for this format");
         let out = out_ptrs[i];
         let n = w.rows;
+        if m == 1 {
+            // SAFETY: each task writes only its own rows r0..r1 of the one output row; `outs` outlives the job.
+            let o = unsafe { std::slice::from_raw_parts_mut(out.get().add(r0), r1 - r0) };
+            gemv(w, r0..r1, acts, isa, o);
+            return;
+        }
         // SAFETY: each task writes the entries (a, r) for its own rows r0..r1 only; `outs` outlives the job.
         let put = |a: usize, r: usize, v: f32| unsafe { *out.get().add(a * n + r) = v };
         // Activation rows in groups of 4 per unpacked weight block (8 measured no faster, even with

@@ -302,6 +302,36 @@ macro_rules! kernels {
             out
         }
 
+        /// One activation row against consecutive weight rows (`row_bytes` each): decode's
+        /// matrix-vector product, one call per task instead of one per row.
+        #[target_feature(enable = $features)]
+        pub unsafe fn gemv_q4k(w: &[u8], row_bytes: usize, a: &[Q8K], out: &mut [f32]) {
+            for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
+                *o = dot_q4k::<1>(row, [a])[0];
+            }
+        }
+
+        #[target_feature(enable = $features)]
+        pub unsafe fn gemv_q6k(w: &[u8], row_bytes: usize, a: &[Q8K], out: &mut [f32]) {
+            for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
+                *o = dot_q6k::<1>(row, [a])[0];
+            }
+        }
+
+        #[target_feature(enable = $features)]
+        pub unsafe fn gemv_q8_0(w: &[u8], row_bytes: usize, a: &[Q8x4], out: &mut [f32]) {
+            for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
+                *o = dot_q8_0::<1>(row, [a])[0];
+            }
+        }
+
+        #[target_feature(enable = $features)]
+        pub unsafe fn gemv_q5_0(w: &[u8], row_bytes: usize, a: &[Q8x4], out: &mut [f32]) {
+            for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
+                *o = dot_q5_0::<1>(row, [a])[0];
+            }
+        }
+
         /// 32 floats → 32 saturated signed bytes, scaled by `s` and rounded to nearest, ties to even.
         #[inline(always)]
         unsafe fn quantize32(x: *const f32, s: __m256, out: *mut i8) {
