@@ -7,7 +7,7 @@
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use rand::{Rng, SeedableRng};
-use shoal::engine::kernels::act::{self, Q8K, Q8_0};
+use shoal::engine::kernels::act::{self, Q8x4, Q8K};
 use shoal::engine::kernels::pool::Pool;
 use shoal::engine::kernels::{matmul_many, Isa, QMatrix};
 
@@ -125,14 +125,14 @@ fn activation_quantization_is_identical_across_implementations() {
     act::quantize_q8k_portable(&x, &mut a);
     act::quantize_q8k(&x, &mut b);
     for (p, q) in a.iter().zip(&b) {
-        assert_eq!((p.d, p.qs, p.bsums), (q.d, q.qs, q.bsums));
+        assert_eq!((p.d, p.qs, p.ybs, p.nbl, p.nbh), (q.d, q.qs, q.ybs, q.nbl, q.nbh));
     }
-    let mut a = vec![Q8_0::default(); 128];
-    let mut b = vec![Q8_0::default(); 128];
-    act::quantize_q8_0_portable(&x, &mut a);
-    act::quantize_q8_0(&x, &mut b);
+    let mut a = vec![Q8x4::default(); 32];
+    let mut b = vec![Q8x4::default(); 32];
+    act::quantize_q8x4_portable(&x, &mut a);
+    act::quantize_q8x4(&x, &mut b);
     for (p, q) in a.iter().zip(&b) {
-        assert_eq!((p.d, p.qs), (q.d, q.qs));
+        assert_eq!((p.d, p.qs, p.lsum), (q.d, q.qs, q.lsum));
     }
 }
 

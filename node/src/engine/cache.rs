@@ -46,6 +46,11 @@ impl LayerCache {
         Ok((kb.narrow(2, 0, self.len)?, vb.narrow(2, 0, self.len)?))
     }
 
+    /// The whole key and value buffers, `(1, kv_heads, capacity, head_dim)`, once allocated.
+    pub fn buffers(&self) -> Option<(&Tensor, &Tensor)> {
+        Some((self.k.as_ref()?, self.v.as_ref()?))
+    }
+
     /// Forgets everything after the first `len` positions.
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);

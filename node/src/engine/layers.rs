@@ -4,7 +4,7 @@
 
 use std::ops::Range;
 
-use candle_core::{Device, Module, Tensor};
+use candle_core::{CpuStorage, Device, Module, Tensor};
 
 use super::cache::LayerCache;
 use super::spec::{Activation, ModelSpec, Rope, RopeStyle};
@@ -295,6 +295,12 @@ impl Attention {
             _ => 0,
         };
         let keys = total - first_key;
+        // Decode on the CPU: one query row reads the cache in place (no copy, no mask needed).
+        if t == 1 && b == 1 && self.kv_of_head.is_none() && x.device().is_cpu() {
+            if let Some(out) = self.attend_cached(&q, cache, first_key..total)? {
+                return self.o.forward(&out);
+            }
+        }
         let (mut k_all, mut v_all) = (k_all.narrow(2, first_key, keys)?, v_all.narrow(2, first_key, keys)?);
         // cuBLAS reads the cache's strided rows as they are; the CPU matmul is faster on a copy.
         if x.device().is_cpu() {
@@ -329,6 +335,30 @@ impl Attention {
             .transpose(1, 2)?
             .reshape((b, t, self.num_heads * self.head_dim))?;
         self.o.forward(&out)
+    }
+}
+
+impl Attention {
+    /// One query position against the KV cache buffers read in place (`kernels::attend`);
+    /// `None` when the cache is not f32 CPU storage (the caller then takes the general path).
+    fn attend_cached(&self, q: &Tensor, cache: &LayerCache, keys: Range<usize>) -> Result<Option<Tensor>> {
+        let Some((kb, vb)) = cache.buffers() else { return Ok(None) };
+        let capacity = kb.dim(2)?;
+        let (ks, kl) = kb.storage_and_layout();
+        let (vs, vl) = vb.storage_and_layout();
+        let (candle_core::Storage::Cpu(CpuStorage::F32(k)), candle_core::Storage::Cpu(CpuStorage::F32(v))) = (&*ks, &*vs) else { return Ok(None) };
+        if !kl.is_contiguous() || !vl.is_contiguous() {
+            return Ok(None);
+        }
+        let n = self.num_kv_heads * capacity * self.head_dim;
+        let (k, v) = (&k[kl.start_offset()..kl.start_offset() + n], &v[vl.start_offset()..vl.start_offset() + n]);
+        let qv = q.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        let mut out = vec![0f32; self.num_heads * self.head_dim];
+        let view = kernels::attend::KvView { k, v, capacity };
+        let softcap = self.softcap.map(|c| c as f32);
+        kernels::attend::attend_one(&qv, self.num_heads, self.num_kv_heads, self.head_dim, &view, keys, self.scale as f32, softcap, &mut out, kernels::pool::global());
+        drop((ks, vs));
+        Ok(Some(Tensor::from_vec(out, (1, 1, self.num_heads * self.head_dim), q.device())?.to_dtype(q.dtype())?))
     }
 }
 
@@ -377,12 +407,35 @@ impl Mlp {
             Some(fused) => Linear::split(fused.forward(x)?, [&self.gate, &self.up])?,
             None => Linear::forward_group([&self.gate, &self.up], x)?,
         };
+        if let Some(h) = gated_on_pool(self.activation, &gate, &up)? {
+            return self.down.forward(&h);
+        }
         let gate = match self.activation {
             Activation::Silu => candle_nn::ops::silu(&gate)?,
             Activation::GeluTanh => gate.gelu()?,
         };
         self.down.forward(&(gate * up)?)
     }
+}
+
+/// `act(gate) * up` in one pass on the kernel pool, for contiguous f32 CPU tensors (`None`
+/// otherwise: the caller uses candle's ops, which give the same values).
+fn gated_on_pool(act: Activation, gate: &Tensor, up: &Tensor) -> Result<Option<Tensor>> {
+    if !gate.device().is_cpu() || gate.dtype() != candle_core::DType::F32 || up.dtype() != candle_core::DType::F32 || gate.shape() != up.shape() {
+        return Ok(None);
+    }
+    let (gs, gl) = gate.storage_and_layout();
+    let (us, ul) = up.storage_and_layout();
+    let (candle_core::Storage::Cpu(CpuStorage::F32(g)), candle_core::Storage::Cpu(CpuStorage::F32(u))) = (&*gs, &*us) else { return Ok(None) };
+    let (Some((g0, g1)), Some((u0, u1))) = (gl.contiguous_offsets(), ul.contiguous_offsets()) else { return Ok(None) };
+    let mut out = vec![0f32; g1 - g0];
+    let act = match act {
+        Activation::Silu => kernels::gated::Gate::Silu,
+        Activation::GeluTanh => kernels::gated::Gate::GeluTanh,
+    };
+    kernels::gated::gated(act, &g[g0..g1], &u[u0..u1], &mut out, kernels::pool::global());
+    drop((gs, us));
+    Ok(Some(Tensor::from_vec(out, gate.shape(), gate.device())?))
 }
 
 /// One transformer block: pre-norm attention and MLP with residuals, plus Gemma's sandwich norms.

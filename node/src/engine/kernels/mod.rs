@@ -6,6 +6,8 @@
 //! It does not handle f32/f16 or other GGUF formats: those stay on candle's `QMatMul`.
 
 pub mod act;
+pub mod attend;
+pub mod gated;
 pub mod pool;
 pub mod portable;
 #[cfg(target_arch = "x86_64")]
@@ -16,7 +18,7 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
-use act::{Q8K, Q8_0};
+use act::{Q8x4, Q8K};
 
 /// The weight formats these kernels multiply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +61,25 @@ impl QType {
     fn k_quant(self) -> bool {
         matches!(self, QType::Q4K | QType::Q6K)
     }
+
+    /// Values per repacked unit (a k-quant block, or a group of four 32-value blocks): rows must
+    /// hold whole units.
+    pub fn group_len(self) -> usize {
+        if self.k_quant() { 256 } else { 128 }
+    }
+
+    /// Rewrites row-major GGUF blocks into the kernels' step order, in place (`portable.rs`).
+    fn repack(self, data: &mut [u8]) {
+        let unit = self.group_len() / self.block_len() * self.block_bytes();
+        for g in data.chunks_exact_mut(unit) {
+            match self {
+                QType::Q4K => portable::repack_q4k(g),
+                QType::Q6K => portable::repack_q6k(g),
+                QType::Q8_0 => portable::repack_q8_0x4(g),
+                QType::Q5_0 => portable::repack_q5_0x4(g),
+            }
+        }
+    }
 }
 
 /// Which implementation runs the dot products (tests pin one; `Auto` picks the fastest).
@@ -85,7 +106,8 @@ impl Isa {
     }
 }
 
-/// A `rows × cols` weight matrix (`y = x W^T`) in a GGUF block format, row-major.
+/// A `rows × cols` weight matrix (`y = x W^T`) in a GGUF block format, row-major, each block (or
+/// group of four 32-value blocks) rewritten in step order at load: the only copy of the weights.
 #[derive(Debug)]
 pub struct QMatrix {
     pub ty: QType,
@@ -112,22 +134,24 @@ impl QMatrix {
     pub fn from_qtensor(q: &QTensor) -> Result<Option<QMatrix>, KernelError> {
         let Some(ty) = QType::from_ggml(q.dtype()) else { return Ok(None) };
         let Ok((rows, cols)) = q.shape().dims2() else { return Ok(None) };
-        if cols % ty.block_len() != 0 {
+        if cols % ty.group_len() != 0 {
             return Ok(None);
         }
         let data = q.data().map_err(|e| KernelError::Data(e.to_string()))?.into_owned();
         QMatrix::from_bytes(ty, rows, cols, data).map(Some)
     }
 
-    /// A matrix from raw GGUF blocks (`rows * cols / block_len` blocks, row after row).
-    pub fn from_bytes(ty: QType, rows: usize, cols: usize, data: Vec<u8>) -> Result<QMatrix, KernelError> {
-        if cols == 0 || cols % ty.block_len() != 0 {
-            return Err(KernelError::Unsupported(format!("{cols} columns are not whole {ty:?} blocks")));
+    /// A matrix from raw GGUF blocks (`rows * cols / block_len` blocks, row after row), repacked
+    /// in place.
+    pub fn from_bytes(ty: QType, rows: usize, cols: usize, mut data: Vec<u8>) -> Result<QMatrix, KernelError> {
+        if cols == 0 || cols % ty.group_len() != 0 {
+            return Err(KernelError::Unsupported(format!("{cols} columns are not whole {ty:?} groups of {}", ty.group_len())));
         }
         let row_bytes = cols / ty.block_len() * ty.block_bytes();
         if data.len() != rows * row_bytes {
             return Err(KernelError::Data(format!("{} bytes for {rows}×{cols} {ty:?}", data.len())));
         }
+        ty.repack(&mut data);
         Ok(QMatrix { ty, rows, cols, row_bytes, data })
     }
 
@@ -163,11 +187,11 @@ impl QMatrix {
 /// `m` activation rows quantized for one family of formats.
 enum Acts {
     K(Vec<Q8K>),
-    Zero(Vec<Q8_0>),
+    Zero(Vec<Q8x4>),
 }
 
 fn quantize_rows(x: &[f32], m: usize, k: usize, k_quant: bool, isa: Isa, pool: &pool::Pool) -> Acts {
-    let per_row = if k_quant { k / 256 } else { k / 32 };
+    let per_row = if k_quant { k / 256 } else { k / 128 };
     let rows_per_task = (m / (4 * pool.threads())).max(1);
     let tasks = m.div_ceil(rows_per_task);
     macro_rules! run {
@@ -193,17 +217,17 @@ fn quantize_rows(x: &[f32], m: usize, k: usize, k_quant: bool, isa: Isa, pool: &
     if k_quant {
         run!(Q8K, K, act::quantize_q8k, act::quantize_q8k_portable)
     } else {
-        run!(Q8_0, Zero, act::quantize_q8_0, act::quantize_q8_0_portable)
+        run!(Q8x4, Zero, act::quantize_q8x4, act::quantize_q8x4_portable)
     }
 }
 
 #[derive(Clone, Copy)]
-struct SendPtr<T>(*mut T);
+pub(crate) struct SendPtr<T>(pub(crate) *mut T);
 // SAFETY: used only to hand disjoint parts of one buffer to pool tasks.
 unsafe impl<T> Send for SendPtr<T> {}
 unsafe impl<T> Sync for SendPtr<T> {}
 impl<T> SendPtr<T> {
-    fn get(self) -> *mut T {
+    pub(crate) fn get(self) -> *mut T {
         self.0
     }
 }
@@ -233,8 +257,8 @@ fn dot_rows<const R: usize>(w: &QMatrix, row: usize, acts: &Acts, a_rows: [usize
             }
         }
         Acts::Zero(a) => {
-            let per = w.cols / 32;
-            let ar: [&[Q8_0]; R] = a_rows.map(|i| &a[i * per..(i + 1) * per]);
+            let per = w.cols / 128;
+            let ar: [&[Q8x4]; R] = a_rows.map(|i| &a[i * per..(i + 1) * per]);
             match (isa, w.ty) {
                 // SAFETY: as above.
                 #[cfg(target_arch = "x86_64")]
@@ -248,6 +272,36 @@ fn dot_rows<const R: usize>(w: &QMatrix, row: usize, acts: &Acts, a_rows: [usize
                 (_, QType::Q8_0) => ar.map(|a| portable::dot_q8_0(wr, a)),
                 (_, QType::Q5_0) => ar.map(|a| portable::dot_q5_0(wr, a)),
                 _ => unreachable!("32-element activations are made only for 32-element weights"),
+            }
+        }
+    }
+}
+
+/// Rows `rows` of `w` against the one activation row in `acts` (decode).
+fn gemv(w: &QMatrix, rows: std::ops::Range<usize>, acts: &Acts, isa: Isa, out: &mut [f32]) {
+    let wr = &w.data[rows.start * w.row_bytes..rows.end * w.row_bytes];
+    let rb = w.row_bytes;
+    match (acts, isa, w.ty) {
+        // SAFETY: `Isa::Avx2` / `Avx512` are only chosen when the CPU has those features.
+        #[cfg(target_arch = "x86_64")]
+        (Acts::K(a), Isa::Avx512, QType::Q4K) => unsafe { x86::avx512::gemv_q4k(wr, rb, a, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Acts::K(a), Isa::Avx512, QType::Q6K) => unsafe { x86::avx512::gemv_q6k(wr, rb, a, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Acts::Zero(a), Isa::Avx512, QType::Q8_0) => unsafe { x86::avx512::gemv_q8_0(wr, rb, a, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Acts::Zero(a), Isa::Avx512, QType::Q5_0) => unsafe { x86::avx512::gemv_q5_0(wr, rb, a, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Acts::K(a), Isa::Avx2, QType::Q4K) => unsafe { x86::avx2::gemv_q4k(wr, rb, a, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Acts::K(a), Isa::Avx2, QType::Q6K) => unsafe { x86::avx2::gemv_q6k(wr, rb, a, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Acts::Zero(a), Isa::Avx2, QType::Q8_0) => unsafe { x86::avx2::gemv_q8_0(wr, rb, a, out) },
+        #[cfg(target_arch = "x86_64")]
+        (Acts::Zero(a), Isa::Avx2, QType::Q5_0) => unsafe { x86::avx2::gemv_q5_0(wr, rb, a, out) },
+        _ => {
+            for (o, r) in out.iter_mut().zip(rows) {
+                *o = dot_rows::<1>(w, r, acts, [0], isa)[0];
             }
         }
     }
@@ -287,6 +341,12 @@ pub fn matmul_many(mats: &[&QMatrix], x: &[f32], m: usize, outs: &mut [&mut [f32
         let acts = if w.ty.k_quant() { acts_k.as_ref() } else { acts_0.as_ref() }.expect("quantized above for this format");
         let out = out_ptrs[i];
         let n = w.rows;
+        if m == 1 {
+            // SAFETY: each task writes only its own rows r0..r1 of the one output row; `outs` outlives the job.
+            let o = unsafe { std::slice::from_raw_parts_mut(out.get().add(r0), r1 - r0) };
+            gemv(w, r0..r1, acts, isa, o);
+            return;
+        }
         // SAFETY: each task writes the entries (a, r) for its own rows r0..r1 only; `outs` outlives the job.
         let put = |a: usize, r: usize, v: f32| unsafe { *out.get().add(a * n + r) = v };
         // Activation rows in groups of 4 per unpacked weight block (8 measured no faster, even with

@@ -1,9 +1,10 @@
-//! Portable kernels: GGUF block decoding, row dequantization and the integer dot products of
-//! each weight format with quantized activations, in plain Rust written so that the compiler
+//! Portable kernels: GGUF block decoding, the load-time repacking of blocks into step order,
+//! row dequantization and the integer dot products of each (repacked) weight format with
+//! quantized activations, in plain Rust written so that the compiler
 //! vectorizes it (this is the path on CPUs without a hand-written one, NEON included).
 //! They are also the reference the SIMD kernels are tested against. No `unsafe` here.
 
-use super::act::{Q8K, Q8_0};
+use super::act::{Q8x4, Q8K};
 
 #[inline]
 pub fn f16_at(b: &[u8], off: usize) -> f32 {
@@ -70,23 +71,149 @@ fn q5_0_values(b: &[u8]) -> [i8; 32] {
     v
 }
 
+// ---- Repacking: GGUF blocks → step order, in place, same size ----
+//
+// The SIMD kernels take 32 bytes of weights at a time and want each 32-bit lane to belong to one
+// sub-block, so that an integer dot product (`vpdpbusd`, or `maddubs` + `madd`) sums a sub-block per
+// lane and the sub-block scales apply per lane afterwards, with no horizontal sums per sub-block.
+// So at load every block is rewritten in "step order" (the activations are quantized in the same
+// order, see `act.rs`); headers (scales, `d`) keep their GGUF places. Values are stored unsigned:
+// Q4_K's 0..15 as they are, Q6_K's 0..63 without the -32, Q5_0's 0..31 without the -16.
+//
+// - Q4_K (144 bytes): `qs` byte `32 c + 4 s + e` (c < 4) holds in its low nibble value
+//   `32 s + 4 c + e` (step c) and in its high nibble value `32 s + 4 (c + 4) + e` (step c + 4).
+// - Q6_K (210 bytes): `ql` byte `32 c + i` (i = 4 s + e) holds step c's low 4 bits in its low nibble
+//   and step c + 4's in its high nibble; `qh` byte `32 h + i` holds in bits `2 j, 2 j + 1` the high
+//   2 bits of step `2 j + h`. Step k, byte i is value `32 s + 4 k + e`.
+// - Q5_0 and Q8_0 go in groups of four blocks (128 values; rows must be whole groups): the four
+//   f16 scales first, then step k (k < 4) byte `32 k + 8 s + e` is value `8 k + e` of block s.
+//   Q8_0: 128 signed bytes. Q5_0: 16 bytes of fifth bits (bit i of little-endian word k is step k,
+//   byte i), then 64 bytes of nibbles, byte `32 c + i` holding step c (low) and step c + 2 (high).
+
+/// Rewrites one Q4_K block (144 bytes) into step order.
+pub fn repack_q4k(b: &mut [u8]) {
+    let v = q4k_values(&b[16..144]);
+    for c in 0..4 {
+        for s in 0..8 {
+            for e in 0..4 {
+                b[16 + 32 * c + 4 * s + e] = v[32 * s + 4 * c + e] | (v[32 * s + 4 * (c + 4) + e] << 4);
+            }
+        }
+    }
+}
+
+/// Rewrites one Q6_K block (210 bytes) into step order.
+pub fn repack_q6k(b: &mut [u8]) {
+    let v = q6k_values(&b[0..128], &b[128..192]);
+    let u = |k: usize, i: usize| (v[32 * (i / 4) + 4 * k + i % 4] + 32) as u8;
+    let mut ql = [0u8; 128];
+    let mut qh = [0u8; 64];
+    for i in 0..32 {
+        for c in 0..4 {
+            ql[32 * c + i] = (u(c, i) & 0xF) | ((u(c + 4, i) & 0xF) << 4);
+        }
+        for h in 0..2 {
+            qh[32 * h + i] = (0..4).map(|j| (u(2 * j + h, i) >> 4) << (2 * j)).fold(0, |a, x| a | x);
+        }
+    }
+    b[0..128].copy_from_slice(&ql);
+    b[128..192].copy_from_slice(&qh);
+}
+
+/// Rewrites four consecutive Q8_0 blocks (136 bytes) into one step-ordered group.
+pub fn repack_q8_0x4(g: &mut [u8]) {
+    let old = g.to_vec();
+    for s in 0..4 {
+        let blk = &old[34 * s..34 * s + 34];
+        g[2 * s..2 * s + 2].copy_from_slice(&blk[0..2]);
+        for k in 0..4 {
+            g[8 + 32 * k + 8 * s..8 + 32 * k + 8 * s + 8].copy_from_slice(&blk[2 + 8 * k..2 + 8 * k + 8]);
+        }
+    }
+}
+
+/// Rewrites four consecutive Q5_0 blocks (88 bytes) into one step-ordered group.
+pub fn repack_q5_0x4(g: &mut [u8]) {
+    let old = g.to_vec();
+    let mut u = [0u8; 128];
+    for s in 0..4 {
+        let blk = &old[22 * s..22 * s + 22];
+        g[2 * s..2 * s + 2].copy_from_slice(&blk[0..2]);
+        let v = q5_0_values(blk);
+        for k in 0..4 {
+            for e in 0..8 {
+                u[32 * k + 8 * s + e] = (v[8 * k + e] + 16) as u8;
+            }
+        }
+    }
+    for k in 0..4 {
+        let word = (0..32).fold(0u32, |w, i| w | (((u[32 * k + i] >> 4) as u32) << i));
+        g[8 + 4 * k..12 + 4 * k].copy_from_slice(&word.to_le_bytes());
+    }
+    for c in 0..2 {
+        for i in 0..32 {
+            g[24 + 32 * c + i] = (u[32 * c + i] & 0xF) | ((u[32 * (c + 2) + i] & 0xF) << 4);
+        }
+    }
+}
+
+/// A repacked Q4_K block's 256 values (0..15) in step order.
 #[inline]
-fn idot<A: Copy + Into<i32>>(w: &[A], a: &[i8]) -> i32 {
-    w.iter().zip(a).map(|(&w, &a)| w.into() * a as i32).sum()
+fn q4k_steps(b: &[u8]) -> [u8; 256] {
+    let mut u = [0u8; 256];
+    for c in 0..4 {
+        for i in 0..32 {
+            u[32 * c + i] = b[16 + 32 * c + i] & 0xF;
+            u[32 * (c + 4) + i] = b[16 + 32 * c + i] >> 4;
+        }
+    }
+    u
+}
+
+/// A repacked Q6_K block's 256 values (0..63, unsigned) in step order.
+#[inline]
+fn q6k_steps(b: &[u8]) -> [u8; 256] {
+    let mut u = [0u8; 256];
+    for k in 0..8 {
+        for i in 0..32 {
+            let lo = (b[32 * (k % 4) + i] >> (4 * (k / 4))) & 0xF;
+            let hi = (b[128 + 32 * (k % 2) + i] >> (2 * (k / 2))) & 3;
+            u[32 * k + i] = lo | (hi << 4);
+        }
+    }
+    u
+}
+
+/// A repacked Q5_0 group's 128 values (0..31, unsigned) in step order.
+#[inline]
+fn q5_0x4_steps(g: &[u8]) -> [u8; 128] {
+    let mut u = [0u8; 128];
+    for k in 0..4 {
+        let word = u32::from_le_bytes([g[8 + 4 * k], g[9 + 4 * k], g[10 + 4 * k], g[11 + 4 * k]]);
+        for i in 0..32 {
+            let nib = (g[24 + 32 * (k % 2) + i] >> (4 * (k / 2))) & 0xF;
+            u[32 * k + i] = nib | ((((word >> i) & 1) as u8) << 4);
+        }
+    }
+    u
+}
+
+/// Sum over step bytes `32 k + off .. 32 k + off + len` for every step of `w · a`.
+#[inline]
+fn lane_dot<W: Copy + Into<i32>>(w: &[W], a: &[i8], steps: std::ops::Range<usize>, off: usize, len: usize) -> i32 {
+    steps.map(|k| (32 * k + off..32 * k + off + len).map(|i| w[i].into() * a[i] as i32).sum::<i32>()).sum()
 }
 
 pub fn dot_q4k(w: &[u8], a: &[Q8K]) -> f32 {
     let mut sum = 0f32;
     for (b, y) in w.chunks_exact(144).zip(a) {
         let (sc, mn) = q4k_scales_mins(&b[4..16]);
-        let v = q4k_values(&b[16..144]);
-        let mut isum = 0i32;
-        let mut msum = 0i32;
-        for j in 0..8 {
-            isum += sc[j] as i32 * idot(&v[32 * j..32 * j + 32], &y.qs[32 * j..32 * j + 32]);
-            msum += mn[j] as i32 * (y.bsums[2 * j] as i32 + y.bsums[2 * j + 1] as i32);
+        let u = q4k_steps(b);
+        let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+        for s in 0..8 {
+            sum += d * sc[s] as f32 * y.d * lane_dot(&u, &y.qs, 0..8, 4 * s, 4) as f32;
+            sum -= dmin * mn[s] as f32 * y.ybs[s];
         }
-        sum += f16_at(b, 0) * y.d * isum as f32 - f16_at(b, 2) * y.d * msum as f32;
     }
     sum
 }
@@ -94,29 +221,37 @@ pub fn dot_q4k(w: &[u8], a: &[Q8K]) -> f32 {
 pub fn dot_q6k(w: &[u8], a: &[Q8K]) -> f32 {
     let mut sum = 0f32;
     for (b, y) in w.chunks_exact(210).zip(a) {
-        let v = q6k_values(&b[0..128], &b[128..192]);
-        let mut isum = 0i32;
-        for g in 0..16 {
-            isum += (b[192 + g] as i8) as i32 * idot(&v[16 * g..16 * g + 16], &y.qs[16 * g..16 * g + 16]);
+        let u = q6k_steps(b);
+        let sc = |t: usize| (b[192 + t] as i8) as i32;
+        let d = f16_at(b, 208);
+        for s in 0..8 {
+            let lo = (lane_dot(&u, &y.qs, 0..4, 4 * s, 4) + y.nbl[s]) as f32;
+            let hi = (lane_dot(&u, &y.qs, 4..8, 4 * s, 4) + y.nbh[s]) as f32;
+            sum += y.d * (d * sc(2 * s) as f32 * lo + d * sc(2 * s + 1) as f32 * hi);
         }
-        sum += f16_at(b, 208) * y.d * isum as f32;
     }
     sum
 }
 
-pub fn dot_q8_0(w: &[u8], a: &[Q8_0]) -> f32 {
+pub fn dot_q8_0(w: &[u8], a: &[Q8x4]) -> f32 {
     let mut sum = 0f32;
-    for (b, y) in w.chunks_exact(34).zip(a) {
-        let q: &[i8] = bytemuck_i8(&b[2..34]);
-        sum += f16_at(b, 0) * y.d * idot(q, &y.qs) as f32;
+    for (g, y) in w.chunks_exact(136).zip(a) {
+        let q: &[i8] = bytemuck_i8(&g[8..136]);
+        for s in 0..4 {
+            sum += f16_at(g, 2 * s) * y.d[2 * s] * lane_dot(q, &y.qs, 0..4, 8 * s, 8) as f32;
+        }
     }
     sum
 }
 
-pub fn dot_q5_0(w: &[u8], a: &[Q8_0]) -> f32 {
+pub fn dot_q5_0(w: &[u8], a: &[Q8x4]) -> f32 {
     let mut sum = 0f32;
-    for (b, y) in w.chunks_exact(22).zip(a) {
-        sum += f16_at(b, 0) * y.d * idot(&q5_0_values(b), &y.qs) as f32;
+    for (g, y) in w.chunks_exact(88).zip(a) {
+        let u = q5_0x4_steps(g);
+        for s in 0..4 {
+            let dot = lane_dot(&u, &y.qs, 0..4, 8 * s, 8) - 16 * (y.lsum[2 * s] + y.lsum[2 * s + 1]);
+            sum += f16_at(g, 2 * s) * y.d[2 * s] * dot as f32;
+        }
     }
     sum
 }
@@ -130,9 +265,10 @@ pub fn dequantize_q4k(w: &[u8], out: &mut [f32]) {
     for (b, o) in w.chunks_exact(144).zip(out.chunks_exact_mut(256)) {
         let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
         let (sc, mn) = q4k_scales_mins(&b[4..16]);
-        let v = q4k_values(&b[16..144]);
-        for (i, o) in o.iter_mut().enumerate() {
-            *o = d * sc[i / 32] as f32 * v[i] as f32 - dmin * mn[i / 32] as f32;
+        let u = q4k_steps(b);
+        for (v, o) in o.iter_mut().enumerate() {
+            let (s, k, e) = (v / 32, (v % 32) / 4, v % 4);
+            *o = d * sc[s] as f32 * u[32 * k + 4 * s + e] as f32 - dmin * mn[s] as f32;
         }
     }
 }
@@ -140,27 +276,29 @@ pub fn dequantize_q4k(w: &[u8], out: &mut [f32]) {
 pub fn dequantize_q6k(w: &[u8], out: &mut [f32]) {
     for (b, o) in w.chunks_exact(210).zip(out.chunks_exact_mut(256)) {
         let d = f16_at(b, 208);
-        let v = q6k_values(&b[0..128], &b[128..192]);
-        for (i, o) in o.iter_mut().enumerate() {
-            *o = d * (b[192 + i / 16] as i8) as f32 * v[i] as f32;
+        let u = q6k_steps(b);
+        for (v, o) in o.iter_mut().enumerate() {
+            let (s, k, e) = (v / 32, (v % 32) / 4, v % 4);
+            *o = d * (b[192 + v / 16] as i8) as f32 * (u[32 * k + 4 * s + e] as i32 - 32) as f32;
         }
     }
 }
 
 pub fn dequantize_q8_0(w: &[u8], out: &mut [f32]) {
-    for (b, o) in w.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
-        let d = f16_at(b, 0);
-        for (o, &q) in o.iter_mut().zip(&b[2..34]) {
-            *o = d * (q as i8) as f32;
+    for (g, o) in w.chunks_exact(136).zip(out.chunks_exact_mut(128)) {
+        for (v, o) in o.iter_mut().enumerate() {
+            let (s, k, e) = (v / 32, (v % 32) / 8, v % 8);
+            *o = f16_at(g, 2 * s) * (g[8 + 32 * k + 8 * s + e] as i8) as f32;
         }
     }
 }
 
 pub fn dequantize_q5_0(w: &[u8], out: &mut [f32]) {
-    for (b, o) in w.chunks_exact(22).zip(out.chunks_exact_mut(32)) {
-        let d = f16_at(b, 0);
-        for (o, q) in o.iter_mut().zip(q5_0_values(b)) {
-            *o = d * q as f32;
+    for (g, o) in w.chunks_exact(88).zip(out.chunks_exact_mut(128)) {
+        let u = q5_0x4_steps(g);
+        for (v, o) in o.iter_mut().enumerate() {
+            let (s, k, e) = (v / 32, (v % 32) / 8, v % 8);
+            *o = f16_at(g, 2 * s) * (u[32 * k + 8 * s + e] as i32 - 16) as f32;
         }
     }
 }

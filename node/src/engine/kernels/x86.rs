@@ -3,12 +3,14 @@
 //! unpacked weight register across prompt rows), and activation quantization. One source is
 //! compiled twice: for AVX2 + FMA + F16C (`avx2`), and with AVX-512 (BW, VL, VNNI) also enabled
 //! (`avx512`), where the compiler gets 32 vector registers and fuses multiply-adds (vpdpwssd).
-//! The layouts follow ggml's blocks as stored in the file. Nothing here allocates or branches on
-//! data; every function is checked against `portable.rs` in the tests.
+//! The weights are in the step order `portable.rs` repacks them into at load, so each 32-bit lane
+//! of an integer dot product (`vpdpbusd` with VNNI, else `maddubs` + `madd`) sums one sub-block
+//! and the scales apply per lane. Nothing here allocates or branches on data; every function is
+//! checked against `portable.rs` in the tests.
 
 use std::arch::x86_64::*;
 
-use super::act::{fill_bsums, Q8K, Q8_0};
+use super::act::{finish_q8k, finish_q8x4, Q8x4, Q8K};
 
 pub fn has_avx2() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
@@ -46,8 +48,42 @@ unsafe fn loadu(p: *const u8) -> __m256i {
 }
 
 macro_rules! kernels {
-    ($features:literal) => {
-        /// Dot products of one Q4_K row with `R` Q8_K activation rows.
+    ($features:literal, $vnni:literal) => {
+        /// `acc + Σ u·s` over each 4-byte group (u unsigned, s signed), per 32-bit lane: one
+        /// `vpdpbusd` with VNNI, else `maddubs` + `madd` (callers keep `u·s` pairs within i16).
+        #[target_feature(enable = $features)]
+        #[inline]
+        unsafe fn dpbusd(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+            if $vnni {
+                _mm256_dpbusd_epi32(acc, u, s)
+            } else {
+                _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+            }
+        }
+
+        /// 32 bits → 32 bytes, `0x10` where the bit is set.
+        #[target_feature(enable = $features)]
+        #[inline]
+        unsafe fn bit4(word: u32) -> __m256i {
+            if $vnni {
+                _mm256_maskz_mov_epi8(word, _mm256_set1_epi8(0x10))
+            } else {
+                let shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+                let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(word as i32), shuf);
+                let set = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
+                _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+            }
+        }
+
+        /// The four f16 scales of a 32-value group, each twice: one per 32-bit lane.
+        #[target_feature(enable = $features)]
+        #[inline]
+        unsafe fn group_scales(g: *const u8) -> __m256 {
+            let d = _mm_loadl_epi64(g as *const __m128i);
+            _mm256_cvtph_ps(_mm_unpacklo_epi16(d, d))
+        }
+
+        /// Dot products of one repacked Q4_K row with `R` Q8_K activation rows.
         #[target_feature(enable = $features)]
         pub unsafe fn dot_q4k<const R: usize>(w: &[u8], a: [&[Q8K]; R]) -> [f32; R] {
             const KMASK1: u32 = 0x3f3f3f3f;
@@ -59,7 +95,6 @@ macro_rules! kernels {
             }
             let m4 = _mm256_set1_epi8(0xF);
             let mut acc = [_mm256_setzero_ps(); R];
-            let mut accm = [_mm_setzero_ps(); R];
             for i in 0..nb {
                 let b = w.as_ptr().add(144 * i);
                 let d = f16(b);
@@ -71,96 +106,33 @@ macro_rules! kernels {
                 utmp[1] = (utmp[2] & KMASK2) | (((utmp[0] >> 6) & KMASK3) << 4);
                 utmp[2] = uaux;
                 utmp[0] &= KMASK1;
-                let mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3] as i32, utmp[2] as i32, utmp[1] as i32, utmp[0] as i32));
-                let mins = _mm256_extracti128_si256(mins_and_scales, 1);
-                let scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(mins_and_scales));
-                let mut sumi = [_mm256_setzero_si256(); R];
-                for r in 0..R {
-                    let y = a[r].get_unchecked(i);
-                    let q8sums = _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i);
-                    let q8s = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1));
-                    let prod = _mm_madd_epi16(mins, q8s);
-                    accm[r] = _mm_fmadd_ps(_mm_set1_ps(dmin * y.d), _mm_cvtepi32_ps(prod), accm[r]);
-                }
+                // d × the sub-block scales and dmin × the mins, as f32 lanes.
+                let dsc = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, utmp[1] as i32, utmp[0] as i32))));
+                let dmn = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, utmp[3] as i32, utmp[2] as i32))));
+                // Independent accumulator chains (two per row, four for one row): a single chain
+                // of eight dependent dot products per block is bound by their latency.
+                let mut dp = [[_mm256_setzero_si256(); R]; 4];
                 let q4 = b.add(16);
-                for j in 0..4 {
-                    let scale_l = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((((4 * j + 1) << 8) | (4 * j)) as i16));
-                    let scale_h = _mm256_shuffle_epi8(scales, _mm256_set1_epi16((((4 * j + 3) << 8) | (4 * j + 2)) as i16));
-                    let bits = loadu(q4.add(32 * j));
-                    let q4l = _mm256_and_si256(bits, m4);
-                    let q4h = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+                for c in 0..4 {
+                    let bits = loadu(q4.add(32 * c));
+                    let lo = _mm256_and_si256(bits, m4);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+                    let ch = if R == 1 { 2 * (c & 1) } else { 0 };
                     for r in 0..R {
-                        let q8 = a[r].get_unchecked(i).qs.as_ptr().add(64 * j) as *const u8;
-                        let pl = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q4l, loadu(q8)));
-                        let ph = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q4h, loadu(q8.add(32))));
-                        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+                        let q8 = a[r].get_unchecked(i).qs.as_ptr() as *const u8;
+                        dp[ch][r] = dpbusd(dp[ch][r], lo, loadu(q8.add(32 * c)));
+                        dp[ch + 1][r] = dpbusd(dp[ch + 1][r], hi, loadu(q8.add(32 * c + 128)));
                     }
                 }
-                for r in 0..R {
-                    let yd = a[r].get_unchecked(i).d;
-                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * yd), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-                }
-            }
-            let mut out = [0f32; R];
-            for r in 0..R {
-                out[r] = hsum(acc[r]) - hsum128(accm[r]);
-            }
-            out
-        }
-
-        /// Dot products of one Q6_K row with `R` Q8_K activation rows.
-        #[target_feature(enable = $features)]
-        pub unsafe fn dot_q6k<const R: usize>(w: &[u8], a: [&[Q8K]; R]) -> [f32; R] {
-            let nb = w.len() / 210;
-            for r in a.iter() {
-                assert!(r.len() >= nb);
-            }
-            let m4 = _mm256_set1_epi8(0xF);
-            let m2 = _mm256_set1_epi8(3);
-            let mut acc = [_mm256_setzero_ps(); R];
-            for i in 0..nb {
-                let b = w.as_ptr().add(210 * i);
-                let d = f16(b.add(208));
-                let scales = _mm_loadu_si128(b.add(192) as *const __m128i);
-                let sc16 = _mm256_cvtepi8_epi16(scales);
-                let mut sumi = [_mm256_setzero_si256(); R];
                 for r in 0..R {
                     let y = a[r].get_unchecked(i);
-                    let corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256(y.bsums.as_ptr() as *const __m256i));
-                    sumi[r] = _mm256_sub_epi32(sumi[r], _mm256_slli_epi32(corr, 5));
-                }
-                for j in 0..2 {
-                    let ql = b.add(64 * j);
-                    let qh = b.add(128 + 32 * j);
-                    let sc = |k: usize| {
-                        let lo = (2 * (4 * j + k)) as i64 * 0x0101010101010101;
-                        let hi = (2 * (4 * j + k) + 1) as i64 * 0x0101010101010101;
-                        _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, _mm_set_epi64x(hi, lo)))
-                    };
-                    let (s0, s1, s2, s3) = (sc(0), sc(1), sc(2), sc(3));
-                    let bits1 = loadu(ql);
-                    let bits2 = loadu(ql.add(32));
-                    let bits_h = loadu(qh);
-                    let h0 = _mm256_slli_epi16(_mm256_and_si256(bits_h, m2), 4);
-                    let h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bits_h, 2), m2), 4);
-                    let h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bits_h, 4), m2), 4);
-                    let h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(bits_h, 6), m2), 4);
-                    let q0 = _mm256_or_si256(_mm256_and_si256(bits1, m4), h0);
-                    let q1 = _mm256_or_si256(_mm256_and_si256(bits2, m4), h1);
-                    let q2 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits1, 4), m4), h2);
-                    let q3 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits2, 4), m4), h3);
-                    for r in 0..R {
-                        let q8 = a[r].get_unchecked(i).qs.as_ptr().add(128 * j) as *const u8;
-                        let p0 = _mm256_madd_epi16(s0, _mm256_maddubs_epi16(q0, loadu(q8)));
-                        let p1 = _mm256_madd_epi16(s1, _mm256_maddubs_epi16(q1, loadu(q8.add(32))));
-                        let p2 = _mm256_madd_epi16(s2, _mm256_maddubs_epi16(q2, loadu(q8.add(64))));
-                        let p3 = _mm256_madd_epi16(s3, _mm256_maddubs_epi16(q3, loadu(q8.add(96))));
-                        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3)));
+                    let mut d = _mm256_add_epi32(dp[0][r], dp[1][r]);
+                    if R == 1 {
+                        d = _mm256_add_epi32(d, _mm256_add_epi32(dp[2][r], dp[3][r]));
                     }
-                }
-                for r in 0..R {
-                    let yd = a[r].get_unchecked(i).d;
-                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * yd), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+                    let s = _mm256_mul_ps(dsc, _mm256_set1_ps(y.d));
+                    acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(d), acc[r]);
+                    acc[r] = _mm256_fnmadd_ps(dmn, _mm256_loadu_ps(y.ybs.as_ptr()), acc[r]);
                 }
             }
             let mut out = [0f32; R];
@@ -170,73 +142,194 @@ macro_rules! kernels {
             out
         }
 
-        /// Signed 8-bit dot product of 32 pairs as 8 i32 lanes, via the sign trick for `maddubs`.
-        #[inline(always)]
-        unsafe fn dot_i8(ax: __m256i, x: __m256i, y: __m256i) -> __m256 {
-            let sy = _mm256_sign_epi8(y, x);
-            _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1)))
-        }
-
-        /// Dot products of one Q8_0 row with `R` Q8_0 activation rows.
+        /// Dot products of one repacked Q6_K row with `R` Q8_K activation rows.
         #[target_feature(enable = $features)]
-        pub unsafe fn dot_q8_0<const R: usize>(w: &[u8], a: [&[Q8_0]; R]) -> [f32; R] {
-            block32::<R, 34>(w, a, |b| loadu(b.add(2)))
-        }
-
-        /// Dot products of one Q5_0 row with `R` Q8_0 activation rows.
-        #[target_feature(enable = $features)]
-        pub unsafe fn dot_q5_0<const R: usize>(w: &[u8], a: [&[Q8_0]; R]) -> [f32; R] {
-            block32::<R, 22>(w, a, |b| {
-                let tmp = _mm_loadu_si128(b.add(6) as *const __m128i);
-                let nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(tmp, 4), tmp), _mm256_set1_epi8(0xF));
-                let qh = u32::from_le_bytes([*b.add(2), *b.add(3), *b.add(4), *b.add(5)]);
-                let shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-                let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), shuf);
-                let bits = _mm256_cmpeq_epi8(_mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
-                // Where the fifth bit is clear the value is (q - 16) = q | 0xF0 as a signed byte.
-                _mm256_or_si256(nib, _mm256_andnot_si256(bits, _mm256_set1_epi8(0xF0u8 as i8)))
-            })
-        }
-
-        /// The shared loop of the 32-element formats: `unpack` gives a block's 32 signed weights.
-        #[inline(always)]
-        unsafe fn block32<const R: usize, const BYTES: usize>(w: &[u8], a: [&[Q8_0]; R], unpack: impl Fn(*const u8) -> __m256i) -> [f32; R] {
-            let nb = w.len() / BYTES;
+        pub unsafe fn dot_q6k<const R: usize>(w: &[u8], a: [&[Q8K]; R]) -> [f32; R] {
+            let nb = w.len() / 210;
             for r in a.iter() {
                 assert!(r.len() >= nb);
             }
-            let mut acc0 = [_mm256_setzero_ps(); R];
-            let mut acc1 = [_mm256_setzero_ps(); R];
-            let mut i = 0;
-            while i + 1 < nb {
-                let b0 = w.as_ptr().add(BYTES * i);
-                let b1 = b0.add(BYTES);
-                let (x0, x1) = (unpack(b0), unpack(b1));
-                let (ax0, ax1) = (_mm256_sign_epi8(x0, x0), _mm256_sign_epi8(x1, x1));
-                let (d0, d1) = (f16(b0), f16(b1));
+            let m4 = _mm256_set1_epi8(0xF);
+            let m3 = _mm256_set1_epi8(3);
+            let even_odd = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+            let mut acc = [_mm256_setzero_ps(); R];
+            for i in 0..nb {
+                let b = w.as_ptr().add(210 * i);
+                let d = f16(b.add(208));
+                let eo = _mm_shuffle_epi8(_mm_loadu_si128(b.add(192) as *const __m128i), even_odd);
+                // d × the scales of the even and odd 16-value sub-blocks, as f32 lanes.
+                let sca = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(eo)));
+                let scb = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(eo, 8))));
+                // Values are stored as q + 32: start from -32 × the activation sums.
+                // Two chains per row (low and high steps); one row gets four.
+                let mut dpa = [[_mm256_setzero_si256(); R]; 2];
+                let mut dpb = [[_mm256_setzero_si256(); R]; 2];
                 for r in 0..R {
-                    let y0 = a[r].get_unchecked(i);
-                    let y1 = a[r].get_unchecked(i + 1);
-                    acc0[r] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * y0.d), dot_i8(ax0, x0, loadu(y0.qs.as_ptr() as *const u8)), acc0[r]);
-                    acc1[r] = _mm256_fmadd_ps(_mm256_set1_ps(d1 * y1.d), dot_i8(ax1, x1, loadu(y1.qs.as_ptr() as *const u8)), acc1[r]);
+                    let y = a[r].get_unchecked(i);
+                    dpa[0][r] = loadu(y.nbl.as_ptr() as *const u8);
+                    dpb[0][r] = loadu(y.nbh.as_ptr() as *const u8);
                 }
-                i += 2;
-            }
-            if i < nb {
-                let b0 = w.as_ptr().add(BYTES * i);
-                let x0 = unpack(b0);
-                let ax0 = _mm256_sign_epi8(x0, x0);
-                let d0 = f16(b0);
+                let qh = [loadu(b.add(128)), loadu(b.add(160))];
+                for c in 0..4 {
+                    let bits = loadu(b.add(32 * c));
+                    let h = qh[c % 2];
+                    let shift = _mm_cvtsi32_si128(2 * (c / 2) as i32);
+                    let shift4 = _mm_cvtsi32_si128(2 * (c / 2) as i32 + 4);
+                    let hl = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, shift), m3), 4);
+                    let hh = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(h, shift4), m3), 4);
+                    let qa = _mm256_or_si256(_mm256_and_si256(bits, m4), hl);
+                    let qb = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), hh);
+                    let ch = if R == 1 { c & 1 } else { 0 };
+                    for r in 0..R {
+                        let q8 = a[r].get_unchecked(i).qs.as_ptr() as *const u8;
+                        dpa[ch][r] = dpbusd(dpa[ch][r], qa, loadu(q8.add(32 * c)));
+                        dpb[ch][r] = dpbusd(dpb[ch][r], qb, loadu(q8.add(32 * c + 128)));
+                    }
+                }
                 for r in 0..R {
-                    let y0 = a[r].get_unchecked(i);
-                    acc0[r] = _mm256_fmadd_ps(_mm256_set1_ps(d0 * y0.d), dot_i8(ax0, x0, loadu(y0.qs.as_ptr() as *const u8)), acc0[r]);
+                    let (mut da, mut db) = (dpa[0][r], dpb[0][r]);
+                    if R == 1 {
+                        (da, db) = (_mm256_add_epi32(da, dpa[1][r]), _mm256_add_epi32(db, dpb[1][r]));
+                    }
+                    let t = _mm256_fmadd_ps(scb, _mm256_cvtepi32_ps(db), _mm256_mul_ps(sca, _mm256_cvtepi32_ps(da)));
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(a[r].get_unchecked(i).d), t, acc[r]);
                 }
             }
             let mut out = [0f32; R];
             for r in 0..R {
-                out[r] = hsum(_mm256_add_ps(acc0[r], acc1[r]));
+                out[r] = hsum(acc[r]);
             }
             out
+        }
+
+        /// Dot products of one repacked Q8_0 row (groups of four blocks) with `R` activation rows.
+        #[target_feature(enable = $features)]
+        pub unsafe fn dot_q8_0<const R: usize>(w: &[u8], a: [&[Q8x4]; R]) -> [f32; R] {
+            let ng = w.len() / 136;
+            for r in a.iter() {
+                assert!(r.len() >= ng);
+            }
+            let mut acc = [_mm256_setzero_ps(); R];
+            for i in 0..ng {
+                let g = w.as_ptr().add(136 * i);
+                let dw = group_scales(g);
+                let mut dp = [_mm256_setzero_si256(); R];
+                let mut dp2 = [_mm256_setzero_si256(); R];
+                if $vnni {
+                    // The weights go in as unsigned (q + 128); take 128 × the activation sums back.
+                    for r in 0..R {
+                        let y = a[r].get_unchecked(i);
+                        dp[r] = _mm256_sub_epi32(dp[r], _mm256_slli_epi32(loadu(y.lsum.as_ptr() as *const u8), 7));
+                    }
+                }
+                for k in 0..4 {
+                    let q = loadu(g.add(8 + 32 * k));
+                    if $vnni {
+                        let u = _mm256_xor_si256(q, _mm256_set1_epi8(0x80u8 as i8));
+                        for r in 0..R {
+                            let y = a[r].get_unchecked(i).qs.as_ptr() as *const u8;
+                            if k % 2 == 0 {
+                                dp[r] = dpbusd(dp[r], u, loadu(y.add(32 * k)));
+                            } else {
+                                dp2[r] = dpbusd(dp2[r], u, loadu(y.add(32 * k)));
+                            }
+                        }
+                    } else {
+                        let aq = _mm256_sign_epi8(q, q);
+                        for r in 0..R {
+                            let y = a[r].get_unchecked(i).qs.as_ptr() as *const u8;
+                            if k % 2 == 0 {
+                                dp[r] = dpbusd(dp[r], aq, _mm256_sign_epi8(loadu(y.add(32 * k)), q));
+                            } else {
+                                dp2[r] = dpbusd(dp2[r], aq, _mm256_sign_epi8(loadu(y.add(32 * k)), q));
+                            }
+                        }
+                    }
+                }
+                for r in 0..R {
+                    let y = a[r].get_unchecked(i);
+                    let s = _mm256_mul_ps(dw, _mm256_loadu_ps(y.d.as_ptr()));
+                    acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_add_epi32(dp[r], dp2[r])), acc[r]);
+                }
+            }
+            let mut out = [0f32; R];
+            for r in 0..R {
+                out[r] = hsum(acc[r]);
+            }
+            out
+        }
+
+        /// Dot products of one repacked Q5_0 row (groups of four blocks) with `R` activation rows.
+        #[target_feature(enable = $features)]
+        pub unsafe fn dot_q5_0<const R: usize>(w: &[u8], a: [&[Q8x4]; R]) -> [f32; R] {
+            let ng = w.len() / 88;
+            for r in a.iter() {
+                assert!(r.len() >= ng);
+            }
+            let m4 = _mm256_set1_epi8(0xF);
+            let mut acc = [_mm256_setzero_ps(); R];
+            for i in 0..ng {
+                let g = w.as_ptr().add(88 * i);
+                let dw = group_scales(g);
+                let word = |k: usize| u32::from_le_bytes([*g.add(8 + 4 * k), *g.add(9 + 4 * k), *g.add(10 + 4 * k), *g.add(11 + 4 * k)]);
+                let mut dp = [_mm256_setzero_si256(); R];
+                let mut dp2 = [_mm256_setzero_si256(); R];
+                for r in 0..R {
+                    // Values are stored as q + 16; take 16 × the activation sums back.
+                    let y = a[r].get_unchecked(i);
+                    dp[r] = _mm256_sub_epi32(dp[r], _mm256_slli_epi32(loadu(y.lsum.as_ptr() as *const u8), 4));
+                }
+                for c in 0..2 {
+                    let bits = loadu(g.add(24 + 32 * c));
+                    let qa = _mm256_or_si256(_mm256_and_si256(bits, m4), bit4(word(c)));
+                    let qb = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), bit4(word(c + 2)));
+                    for r in 0..R {
+                        let y = a[r].get_unchecked(i).qs.as_ptr() as *const u8;
+                        dp[r] = dpbusd(dp[r], qa, loadu(y.add(32 * c)));
+                        dp2[r] = dpbusd(dp2[r], qb, loadu(y.add(32 * c + 64)));
+                    }
+                }
+                for r in 0..R {
+                    let y = a[r].get_unchecked(i);
+                    let s = _mm256_mul_ps(dw, _mm256_loadu_ps(y.d.as_ptr()));
+                    acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_add_epi32(dp[r], dp2[r])), acc[r]);
+                }
+            }
+            let mut out = [0f32; R];
+            for r in 0..R {
+                out[r] = hsum(acc[r]);
+            }
+            out
+        }
+
+        /// One activation row against consecutive weight rows (`row_bytes` each): decode's
+        /// matrix-vector product, one call per task instead of one per row.
+        #[target_feature(enable = $features)]
+        pub unsafe fn gemv_q4k(w: &[u8], row_bytes: usize, a: &[Q8K], out: &mut [f32]) {
+            for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
+                *o = dot_q4k::<1>(row, [a])[0];
+            }
+        }
+
+        #[target_feature(enable = $features)]
+        pub unsafe fn gemv_q6k(w: &[u8], row_bytes: usize, a: &[Q8K], out: &mut [f32]) {
+            for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
+                *o = dot_q6k::<1>(row, [a])[0];
+            }
+        }
+
+        #[target_feature(enable = $features)]
+        pub unsafe fn gemv_q8_0(w: &[u8], row_bytes: usize, a: &[Q8x4], out: &mut [f32]) {
+            for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
+                *o = dot_q8_0::<1>(row, [a])[0];
+            }
+        }
+
+        #[target_feature(enable = $features)]
+        pub unsafe fn gemv_q5_0(w: &[u8], row_bytes: usize, a: &[Q8x4], out: &mut [f32]) {
+            for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
+                *o = dot_q5_0::<1>(row, [a])[0];
+            }
         }
 
         /// 32 floats → 32 saturated signed bytes, scaled by `s` and rounded to nearest, ties to even.
@@ -273,22 +366,28 @@ macro_rules! kernels {
                 let max = x.iter().copied().find(|v| v.abs() == amax).unwrap_or(amax);
                 let iscale = -127f32 / max;
                 let s = _mm256_set1_ps(iscale);
+                let mut nat = [0i8; 256];
                 for k in 0..8 {
-                    quantize32(x.as_ptr().add(32 * k), s, y.qs.as_mut_ptr().add(32 * k));
+                    quantize32(x.as_ptr().add(32 * k), s, nat.as_mut_ptr().add(32 * k));
                 }
-                fill_bsums(y);
-                y.d = 1.0 / iscale;
+                finish_q8k(y, &nat, 1.0 / iscale);
             }
         }
 
         #[target_feature(enable = $features)]
-        pub unsafe fn quantize_q8_0(xs: &[f32], out: &mut [Q8_0]) {
-            for (y, x) in out.iter_mut().zip(xs.chunks_exact(32)) {
-                let amax = absmax(x.as_ptr(), 32);
-                let d = amax / 127.0;
-                let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-                y.d = half::f16::from_f32(d).to_f32();
-                quantize32(x.as_ptr(), _mm256_set1_ps(id), y.qs.as_mut_ptr());
+        pub unsafe fn quantize_q8x4(xs: &[f32], out: &mut [Q8x4]) {
+            for (y, x) in out.iter_mut().zip(xs.chunks_exact(128)) {
+                let mut nat = [0i8; 128];
+                let mut ds = [0f32; 4];
+                for s in 0..4 {
+                    let xb = x.as_ptr().add(32 * s);
+                    let amax = absmax(xb, 32);
+                    let d = amax / 127.0;
+                    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+                    ds[s] = half::f16::from_f32(d).to_f32();
+                    quantize32(xb, _mm256_set1_ps(id), nat.as_mut_ptr().add(32 * s));
+                }
+                finish_q8x4(y, &nat, ds);
             }
         }
 
@@ -298,11 +397,11 @@ macro_rules! kernels {
 /// AVX2 + FMA + F16C.
 pub mod avx2 {
     use super::*;
-    kernels!("avx2,fma,f16c");
+    kernels!("avx2,fma,f16c", false);
 }
 
 /// AVX2 with AVX-512 F/BW/VL/VNNI also enabled.
 pub mod avx512 {
     use super::*;
-    kernels!("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
+    kernels!("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", true);
 }
