@@ -1,7 +1,9 @@
 //! The gated MLP's elementwise step on the CPU, `act(gate) * up`, in one pass over the kernel
-//! `pool` (chunks of rows shared out like the matmuls' tasks). The formulas are candle's own
-//! (`silu`, tanh-approximated `gelu`), evaluated in the same order, so results are bit-identical
-//! to candle's two separate ops. It does not handle other activations or dtypes.
+//! `pool` (chunks shared out like the matmuls' tasks). Both activations are written as
+//! `v · sigmoid(c)`: SiLU is `v / (1 + e^-v)` and tanh-approximated GELU is the same identity
+//! `0.5 v (1 + tanh z) = v / (1 + e^-2z)`, with `e^x` a branch-free polynomial (Cephes' expf,
+//! within 2 ulp) so that the loop vectorizes (AVX2 when the CPU has it). Results differ from
+//! candle's libm-based ops only in the last bits. It does not handle other activations or dtypes.
 
 use super::pool::Pool;
 use super::SendPtr;
@@ -25,15 +27,7 @@ pub fn gated(act: Gate, gate: &[f32], up: &[f32], out: &mut [f32], pool: &Pool) 
         let (a, b) = (t * CHUNK, ((t + 1) * CHUNK).min(n));
         // SAFETY: tasks write disjoint ranges of `out`, which outlives the job.
         let o = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(a), b - a) };
-        let (g, u) = (&gate[a..b], &up[a..b]);
-        match act {
-            Gate::Silu => o.iter_mut().zip(g.iter().zip(u)).for_each(|(o, (&v, &u))| *o = v / (1.0 + (-v).exp()) * u),
-            Gate::GeluTanh => {
-                #[allow(clippy::excessive_precision)]
-                const SQRT_TWO_OVER_PI: f32 = 0.79788456080286535587989211986876373;
-                o.iter_mut().zip(g.iter().zip(u)).for_each(|(o, (&v, &u))| *o = 0.5 * v * (1.0 + f32::tanh(SQRT_TWO_OVER_PI * v * (1.0 + 0.044715 * v * v))) * u)
-            }
-        }
+        gated_slice(act, &gate[a..b], &up[a..b], o);
     };
     let tasks = n.div_ceil(CHUNK);
     if tasks <= 1 {
@@ -41,4 +35,55 @@ pub fn gated(act: Gate, gate: &[f32], up: &[f32], out: &mut [f32], pool: &Pool) 
     } else {
         pool.run(tasks, &task);
     }
+}
+
+/// One chunk, with the widest vectors this CPU has.
+pub fn gated_slice(act: Gate, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if super::x86::has_avx2() {
+        // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+        unsafe { gated_avx2(act, gate, up, out) };
+        return;
+    }
+    gated_portable(act, gate, up, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gated_avx2(act: Gate, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    gated_portable(act, gate, up, out)
+}
+
+#[inline(always)]
+pub fn gated_portable(act: Gate, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    #[allow(clippy::excessive_precision)]
+    const SQRT_TWO_OVER_PI: f32 = 0.79788456080286535587989211986876373;
+    match act {
+        Gate::Silu => out.iter_mut().zip(gate.iter().zip(up)).for_each(|(o, (&v, &u))| *o = v / (1.0 + exp(-v)) * u),
+        Gate::GeluTanh => out.iter_mut().zip(gate.iter().zip(up)).for_each(|(o, (&v, &u))| {
+            let z = SQRT_TWO_OVER_PI * v * (1.0 + 0.044715 * v * v);
+            *o = v / (1.0 + exp(-2.0 * z)) * u
+        }),
+    }
+}
+
+/// `e^x` without branches or calls (Cephes' expf): `x = n ln 2 + r`, `e^r` by a degree-6
+/// polynomial, `2^n` built in the exponent bits. Inputs are clamped to keep `2^n` normal, so
+/// very large results saturate near `f32::MAX` and very small ones near the smallest normal.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // Adding and subtracting 1.5 · 2^23 rounds to the nearest integer (ties to even).
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = x - n * 0.693_359_375 - n * -2.121_944_4e-4;
+    let mut p = 1.987_569_1e-4f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 0.166_666_65;
+    p = p * r + 0.5;
+    let er = p * r * r + r + 1.0;
+    er * f32::from_bits((((n as i32) + 127) as u32) << 23)
 }
