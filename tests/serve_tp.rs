@@ -37,9 +37,12 @@ fn complete(node: &Node, prompt: &str, n: usize) -> (u16, Value) {
 fn a_pinned_tensor_group_of_two_serve_processes_equals_one_node() {
     // nextest runs each test in its own process: the nodes inherit this and log their links.
     std::env::set_var("SHOAL_LOG", "warn,shoal::dataplane=info");
-    let prompt = "The three primary colours are";
+    // A prompt and length without near-ties under this split: Gemma 270M's int8 activations make
+    // the slices' other summation order move logits by up to ~1 (tensor_parallel bounds that), and
+    // "The three primary colours are" meets one at its third token with the repacked kernels.
+    let prompt = "The capital of France is";
     let single = Node::start(&["serve"]);
-    let (status, want) = complete(&single, prompt, 24);
+    let (status, want) = complete(&single, prompt, 16);
     assert_eq!(status, 200, "{want}");
     drop(single);
 
@@ -52,7 +55,7 @@ fn a_pinned_tensor_group_of_two_serve_processes_equals_one_node() {
     let b = Node::start(&["serve", "--strategy", "tensor", "--peer", &swarm_addr(&a)]);
     let started = Instant::now();
     let got = loop {
-        let (status, got) = complete(&a, prompt, 24);
+        let (status, got) = complete(&a, prompt, 16);
         if status == 200 {
             break got;
         }
@@ -85,7 +88,7 @@ fn a_pinned_tensor_group_of_two_serve_processes_equals_one_node() {
 fn a_tensor_group_whose_only_common_transport_is_the_libp2p_stream_still_equals_one_node() {
     std::env::set_var("SHOAL_LOG", "warn,shoal::dataplane=info");
     // A prompt without near-ties (see tensor_parallel's Gemma test for one with a tie).
-    let prompt = "The three primary colours are";
+    let prompt = "The capital of France is";
     let single = Node::start(&["serve"]);
     let (status, want) = complete(&single, prompt, 16);
     assert_eq!(status, 200, "{want}");
@@ -112,7 +115,7 @@ fn a_tensor_group_whose_only_common_transport_is_the_libp2p_stream_still_equals_
 
 #[test]
 fn a_pinned_hybrid_plan_of_two_groups_of_two_equals_one_node() {
-    let prompt = "The three primary colours are";
+    let prompt = "The capital of France is";
     let single = Node::start(&["serve"]);
     let (status, want) = complete(&single, prompt, 12);
     assert_eq!(status, 200, "{want}");
