@@ -160,21 +160,7 @@ impl LinkGroup {
             }
         }
     }
-}
 
-impl AllReduce for LinkGroup {
-    fn all_reduce(&self, buf: &mut [f32]) -> Result<(), AllReduceError> {
-        if self.size == 1 {
-            return Ok(());
-        }
-        let started = Instant::now();
-        let result = self.reduce(buf);
-        self.reduce_nanos.fetch_add(started.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
-        result
-    }
-}
-
-impl LinkGroup {
     fn reduce(&self, buf: &mut [f32]) -> Result<(), AllReduceError> {
         let mut inner = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         inner.seq += 1;
@@ -199,6 +185,19 @@ impl LinkGroup {
         }
     }
 }
+
+impl AllReduce for LinkGroup {
+    fn all_reduce(&self, buf: &mut [f32]) -> Result<(), AllReduceError> {
+        if self.size == 1 {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let result = self.reduce(buf);
+        self.reduce_nanos.fetch_add(started.elapsed().as_nanos() as u64, std::sync::atomic::Ordering::Relaxed);
+        result
+    }
+}
+
 
 fn add(buf: &mut [f32], theirs: &[f32]) -> Result<(), AllReduceError> {
     if theirs.len() != buf.len() {

@@ -40,6 +40,33 @@ impl Frame {
     pub fn key(&self) -> (u64, u32) {
         (self.seq, self.step)
     }
+
+    /// The frame as byte-stream transports write it: the header (seq u64, step u32, value count
+    /// u32, little-endian), then the values as little-endian f32.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut bytes = Vec::with_capacity(Frame::HEADER_BYTES + self.data.len() * 4);
+        bytes.extend_from_slice(&self.seq.to_le_bytes());
+        bytes.extend_from_slice(&self.step.to_le_bytes());
+        bytes.extend_from_slice(&(self.data.len() as u32).to_le_bytes());
+        for v in &self.data {
+            bytes.extend_from_slice(&v.to_le_bytes());
+        }
+        bytes
+    }
+
+    /// Reads a header written by `to_bytes`: (seq, step, value count), or `None` when the count
+    /// is over `MAX_FRAME_VALUES` (corrupt input: the caller closes the link).
+    pub fn parse_header(header: &[u8; Frame::HEADER_BYTES]) -> Option<(u64, u32, usize)> {
+        let seq = u64::from_le_bytes(header[0..8].try_into().expect("8 bytes"));
+        let step = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
+        let len = u32::from_le_bytes(header[12..16].try_into().expect("4 bytes")) as usize;
+        (len <= MAX_FRAME_VALUES).then_some((seq, step, len))
+    }
+
+    /// Values written by `to_bytes`, from their bytes.
+    pub fn values(raw: &[u8]) -> Vec<f32> {
+        raw.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect()
+    }
 }
 
 /// Largest frame any link accepts (64 Mi values, 256 MiB): a bigger length in a header is

@@ -229,14 +229,7 @@ impl Link for ShmLink {
     }
 
     fn send(&mut self, frame: &Frame) -> Result<(), LinkError> {
-        let mut bytes = Vec::with_capacity(Frame::HEADER_BYTES + frame.data.len() * 4);
-        bytes.extend_from_slice(&frame.seq.to_le_bytes());
-        bytes.extend_from_slice(&frame.step.to_le_bytes());
-        bytes.extend_from_slice(&(frame.data.len() as u32).to_le_bytes());
-        for v in &frame.data {
-            bytes.extend_from_slice(&v.to_le_bytes());
-        }
-        self.write(&bytes).inspect_err(|_| self.close())
+        self.write(&frame.to_bytes()).inspect_err(|_| self.close())
     }
 
     fn recv(&mut self, wait: Duration) -> Result<Option<Frame>, LinkError> {
@@ -251,16 +244,13 @@ impl Link for ShmLink {
         }
         let mut header = [0u8; Frame::HEADER_BYTES];
         self.read(&mut header).inspect_err(|_| self.close())?;
-        let seq = u64::from_le_bytes(header[0..8].try_into().expect("8 bytes"));
-        let step = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
-        let len = u32::from_le_bytes(header[12..16].try_into().expect("4 bytes")) as usize;
-        if len > MAX_FRAME_VALUES {
+        let Some((seq, step, len)) = Frame::parse_header(&header) else {
             self.close();
-            return Err(failed(format!("frame of {len} values is over the limit")));
-        }
+            return Err(failed(format!("frame of more than {MAX_FRAME_VALUES} values")));
+        };
         let mut raw = vec![0u8; len * 4];
         self.read(&mut raw).inspect_err(|_| self.close())?;
-        Ok(Some(Frame { seq, step, data: raw.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect() }))
+        Ok(Some(Frame { seq, step, data: Frame::values(&raw) }))
     }
 
     fn is_closed(&mut self) -> bool {

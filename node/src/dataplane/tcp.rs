@@ -122,14 +122,7 @@ impl Link for TcpLink {
         if self.closed {
             return Err(LinkError::Closed(Transport::Tcp));
         }
-        let mut bytes = Vec::with_capacity(Frame::HEADER_BYTES + frame.data.len() * 4);
-        bytes.extend_from_slice(&frame.seq.to_le_bytes());
-        bytes.extend_from_slice(&frame.step.to_le_bytes());
-        bytes.extend_from_slice(&(frame.data.len() as u32).to_le_bytes());
-        for v in &frame.data {
-            bytes.extend_from_slice(&v.to_le_bytes());
-        }
-        self.stream.write_all(&bytes).map_err(|e| failed(e)).map_err(|e| self.fail(e))
+        self.stream.write_all(&frame.to_bytes()).map_err(|e| failed(e)).map_err(|e| self.fail(e))
     }
 
     fn recv(&mut self, wait: Duration) -> Result<Option<Frame>, LinkError> {
@@ -151,18 +144,14 @@ impl Link for TcpLink {
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => return Ok(None),
             Err(e) => return Err(self.fail(failed(e))),
         }
-        let seq = u64::from_le_bytes(header[0..8].try_into().expect("8 bytes"));
-        let step = u32::from_le_bytes(header[8..12].try_into().expect("4 bytes"));
-        let len = u32::from_le_bytes(header[12..16].try_into().expect("4 bytes")) as usize;
-        if len > MAX_FRAME_VALUES {
-            return Err(self.fail(failed(format!("frame of {len} values is over the limit"))));
-        }
+        let Some((seq, step, len)) = Frame::parse_header(&header) else {
+            return Err(self.fail(failed(format!("frame of more than {MAX_FRAME_VALUES} values"))));
+        };
         let mut raw = vec![0u8; len * 4];
         if let Err(e) = self.read_rest(&mut raw) {
             return Err(self.fail(e));
         }
-        let data = raw.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect();
-        Ok(Some(Frame { seq, step, data }))
+        Ok(Some(Frame { seq, step, data: Frame::values(&raw) }))
     }
 
     fn is_closed(&mut self) -> bool {
