@@ -133,12 +133,27 @@ fn median(xs: &[f64]) -> f64 {
 }
 
 /// Memory read bandwidth with `threads` threads each summing its own part of a `bytes` buffer
-/// (far larger than any cache), pass after pass, for `budget`; the best pass counts.
+/// (far larger than any cache), pass after pass, for `budget`; the best pass counts. The buffer
+/// asks for huge pages as the weights do (`HugePageBuffer`), so the roofline is measured on the
+/// same footing as the kernels that stream them.
 pub fn read_bandwidth(threads: usize, bytes: usize, budget: Duration) -> f64 {
     let threads = threads.max(1);
-    let words = bytes / 8;
-    let buffer: Vec<u64> = (0..words as u64).collect();
-    let chunk = words.div_ceil(threads);
+    let words = (bytes / 8).max(1024);
+    let mut mapped = super::kernels::HugePageBuffer::zeroed(words * 8);
+    let mut heap: Vec<u64>;
+    let buffer: &mut [u64] = match mapped.as_mut() {
+        // SAFETY: every bit pattern is a valid u64; `align_to_mut` puts only whole aligned words in
+        // the middle part, and a mapping is page-aligned, so that part is the whole buffer.
+        Ok(m) => unsafe { m.align_to_mut::<u64>().1 },
+        Err(_) => {
+            heap = vec![0u64; words];
+            &mut heap
+        }
+    };
+    // Writing every word commits the pages, so the passes read real memory.
+    buffer.iter_mut().enumerate().for_each(|(i, w)| *w = i as u64);
+    let buffer = &*buffer;
+    let chunk = buffer.len().div_ceil(threads);
     let pass = || {
         std::thread::scope(|s| {
             let hs: Vec<_> = buffer.chunks(chunk).map(|c| s.spawn(move || c.iter().fold(0u64, |a, x| a.wrapping_add(*x)))).collect();
@@ -151,7 +166,7 @@ pub fn read_bandwidth(threads: usize, bytes: usize, budget: Duration) -> f64 {
     while started.elapsed() < budget || best == 0.0 {
         let t0 = Instant::now();
         std::hint::black_box(pass());
-        best = best.max((words * 8) as f64 / t0.elapsed().as_secs_f64().max(1e-9));
+        best = best.max((buffer.len() * 8) as f64 / t0.elapsed().as_secs_f64().max(1e-9));
     }
     best
 }

@@ -10,7 +10,6 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device, Tensor};
-use rayon::prelude::*;
 
 use super::device::ComputeDevice;
 use super::Result;
@@ -108,7 +107,7 @@ pub fn gpu_copy_bandwidth(device: &ComputeDevice, bytes: usize, budget: Duration
 pub fn measure_with(budget: &ProbeBudget) -> Result<MachineProfile> {
     Ok(MachineProfile {
         flops: matmul_flops(budget.matmul_size, budget.matmul_time)?,
-        mem_bandwidth: read_bandwidth(budget.memory_bytes, budget.memory_time),
+        mem_bandwidth: super::bench::read_bandwidth(rayon::current_num_threads(), budget.memory_bytes, budget.memory_time),
         decode_bandwidth: q4k_decode_bandwidth(budget.memory_bytes / 2, budget.memory_time * 2 / 3)?,
     })
 }
@@ -162,23 +161,6 @@ fn matmul_flops(n: usize, budget: Duration) -> Result<f64> {
     }
     let flop = 2.0 * (n as f64).powi(3) * runs as f64;
     Ok(flop / started.elapsed().as_secs_f64().max(1e-9))
-}
-
-/// Sums a buffer of `bytes` in parallel chunks, pass after pass, until `budget` has passed.
-fn read_bandwidth(bytes: usize, budget: Duration) -> f64 {
-    let words = (bytes / 8).max(1024);
-    // Writing every element commits the pages, so the passes below read real memory.
-    let buffer: Vec<u64> = (0..words as u64).collect();
-    let chunk = (words / rayon::current_num_threads().max(1)).max(1024);
-    let pass = || buffer.par_chunks(chunk).map(|c| c.iter().fold(0u64, |acc, x| acc.wrapping_add(*x))).reduce(|| 0, u64::wrapping_add);
-    black_box(pass());
-    let started = Instant::now();
-    let mut passes = 0u32;
-    while passes < 2 || started.elapsed() < budget {
-        black_box(pass());
-        passes += 1;
-    }
-    (words * 8) as f64 * passes as f64 / started.elapsed().as_secs_f64().max(1e-9)
 }
 
 #[cfg(test)]

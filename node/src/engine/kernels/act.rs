@@ -12,13 +12,14 @@
 /// the partial sums the kernels' corrections take are stored ready to use: `ybs[s] = d (bl[s] +
 /// bh[s])` (Q4_K's mins) and `nbl[s] = -32 bl[s]`, `nbh[s] = -32 bh[s]` (Q6_K's offset of 32).
 #[derive(Debug, Clone, Copy)]
+/// `qs` comes first so that every 32-byte load of it is aligned and stays within a cache line.
 #[repr(C, align(32))]
 pub struct Q8K {
+    pub qs: [i8; 256],
     pub ybs: [f32; 8],
     pub nbl: [i32; 8],
     pub nbh: [i32; 8],
     pub d: f32,
-    pub qs: [i8; 256],
 }
 
 impl Default for Q8K {

@@ -11,9 +11,8 @@ pub fn f16_at(b: &[u8], off: usize) -> f32 {
     half::f16::from_bits(u16::from_le_bytes([b[off], b[off + 1]])).to_f32()
 }
 
-/// The eight 6-bit scales and mins of a Q4_K block (its 12 `scales` bytes).
-#[inline]
-pub fn q4k_scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+/// The eight 6-bit scales and mins of a Q4_K block as GGUF packs them (its 12 `scales` bytes).
+fn gguf_q4k_scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
     let mut sc = [0u8; 8];
     let mut mn = [0u8; 8];
     for j in 0..8 {
@@ -26,6 +25,28 @@ pub fn q4k_scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
         }
     }
     (sc, mn)
+}
+
+/// The eight 6-bit scales and mins of a repacked Q4_K block (its 12 `scales` bytes, see
+/// `repack_q4k`): byte j < 8 holds the low 4 bits of scale j and (high nibble) of min j; the
+/// little-endian word at 8 holds the high 2 bits of scale j at bit `2 j` and of min j at `16 + 2 j`.
+#[inline]
+pub fn q4k_scales_mins(s: &[u8]) -> ([u8; 8], [u8; 8]) {
+    let lo = u64::from_le_bytes(s[0..8].try_into().expect("8 bytes"));
+    let hi = u32::from_le_bytes(s[8..12].try_into().expect("4 bytes"));
+    let sc = (lo & 0x0F0F_0F0F_0F0F_0F0F) | spread_2bit_fields(hi);
+    let mn = ((lo >> 4) & 0x0F0F_0F0F_0F0F_0F0F) | spread_2bit_fields(hi >> 16);
+    (sc.to_le_bytes(), mn.to_le_bytes())
+}
+
+/// The eight 2-bit fields of `x`'s low 16 bits, field j into bits 4 and 5 of byte j.
+#[inline]
+pub fn spread_2bit_fields(x: u32) -> u64 {
+    let mut x = (x & 0xFFFF) as u64;
+    x = (x | x << 24) & 0x0000_00FF_0000_00FF;
+    x = (x | x << 12) & 0x000F_000F_000F_000F;
+    x = (x | x << 6) & 0x0303_0303_0303_0303;
+    x << 4
 }
 
 /// The 256 4-bit values of a Q4_K block, in order.
@@ -90,8 +111,16 @@ fn q5_0_values(b: &[u8]) -> [i8; 32] {
 //   Q8_0: 128 signed bytes. Q5_0: 16 bytes of fifth bits (bit i of little-endian word k is step k,
 //   byte i), then 64 bytes of nibbles, byte `32 c + i` holding step c (low) and step c + 2 (high).
 
-/// Rewrites one Q4_K block (144 bytes) into step order.
+/// Rewrites one Q4_K block (144 bytes) into step order, and its scales into the layout
+/// `q4k_scales_mins` reads: the same 12 bytes, unpacked by a few masks instead of GGUF's shuffle.
 pub fn repack_q4k(b: &mut [u8]) {
+    let (sc, mn) = gguf_q4k_scales_mins(&b[4..16]);
+    let mut hi = 0u32;
+    for j in 0..8 {
+        b[4 + j] = (sc[j] & 0xF) | ((mn[j] & 0xF) << 4);
+        hi |= u32::from(sc[j] >> 4) << (2 * j) | u32::from(mn[j] >> 4) << (16 + 2 * j);
+    }
+    b[12..16].copy_from_slice(&hi.to_le_bytes());
     let v = q4k_values(&b[16..144]);
     for c in 0..4 {
         for s in 0..8 {

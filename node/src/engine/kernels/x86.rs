@@ -2,7 +2,7 @@
 //! 8-bit activations for `R` activation rows at once (R = 1 for decode; larger R reuses each
 //! unpacked weight register across prompt rows), and activation quantization. One source is
 //! compiled twice: for AVX2 + FMA + F16C (`avx2`), and with AVX-512 (BW, VL, VNNI) also enabled
-//! (`avx512`), where the compiler gets 32 vector registers and fuses multiply-adds (vpdpwssd).
+//! (`avx512`, with BMI2), where the compiler gets 32 vector registers and fuses multiply-adds (vpdpwssd).
 //! The weights are in the step order `portable.rs` repacks them into at load, so each 32-bit lane
 //! of an integer dot product (`vpdpbusd` with VNNI, else `maddubs` + `madd`) sums one sub-block
 //! and the scales apply per lane. Nothing here allocates or branches on data; every function is
@@ -11,6 +11,7 @@
 use std::arch::x86_64::*;
 
 use super::act::{finish_q8k, finish_q8x4, Q8x4, Q8K};
+use super::portable::spread_2bit_fields;
 
 pub fn has_avx2() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
@@ -22,6 +23,7 @@ pub fn has_avx512() -> bool {
         && is_x86_feature_detected!("avx512bw")
         && is_x86_feature_detected!("avx512vl")
         && is_x86_feature_detected!("avx512vnni")
+        && is_x86_feature_detected!("bmi2")
 }
 
 #[inline(always)]
@@ -83,12 +85,26 @@ macro_rules! kernels {
             _mm256_cvtph_ps(_mm_unpacklo_epi16(d, d))
         }
 
+        /// A repacked Q4_K block's eight scales and eight mins (see `portable::q4k_scales_mins`)
+        /// as f32 lanes. The high bits land in place by `pdep` with BMI2 (fast on every CPU with
+        /// AVX-512); AVX2-only CPUs include early Zen, where `pdep` is microcoded, so they shift.
+        #[target_feature(enable = $features)]
+        #[inline]
+        unsafe fn q4k_scales(b: *const u8) -> (__m256, __m256) {
+            let lo = (b.add(4) as *const u64).read_unaligned();
+            let hi = (b.add(12) as *const u32).read_unaligned();
+            let (hs, hm) = if $vnni {
+                (_pdep_u64(hi as u64, 0x3030_3030_3030_3030), _pdep_u64((hi >> 16) as u64, 0x3030_3030_3030_3030))
+            } else {
+                (spread_2bit_fields(hi), spread_2bit_fields(hi >> 16))
+            };
+            let v = _mm_set_epi64x((((lo >> 4) & 0x0F0F_0F0F_0F0F_0F0F) | hm) as i64, ((lo & 0x0F0F_0F0F_0F0F_0F0F) | hs) as i64);
+            (_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(v, v))))
+        }
+
         /// Dot products of one repacked Q4_K row with `R` Q8_K activation rows.
         #[target_feature(enable = $features)]
         pub unsafe fn dot_q4k<const R: usize>(w: &[u8], a: [&[Q8K]; R]) -> [f32; R] {
-            const KMASK1: u32 = 0x3f3f3f3f;
-            const KMASK2: u32 = 0x0f0f0f0f;
-            const KMASK3: u32 = 0x03030303;
             let nb = w.len() / 144;
             for r in a.iter() {
                 assert!(r.len() >= nb);
@@ -97,47 +113,69 @@ macro_rules! kernels {
             let mut acc = [_mm256_setzero_ps(); R];
             for i in 0..nb {
                 let b = w.as_ptr().add(144 * i);
-                let d = f16(b);
-                let dmin = f16(b.add(2));
-                let mut utmp = [0u32; 4];
-                std::ptr::copy_nonoverlapping(b.add(4), utmp.as_mut_ptr() as *mut u8, 12);
-                utmp[3] = ((utmp[2] >> 4) & KMASK2) | (((utmp[1] >> 6) & KMASK3) << 4);
-                let uaux = utmp[1] & KMASK1;
-                utmp[1] = (utmp[2] & KMASK2) | (((utmp[0] >> 6) & KMASK3) << 4);
-                utmp[2] = uaux;
-                utmp[0] &= KMASK1;
                 // d × the sub-block scales and dmin × the mins, as f32 lanes.
-                let dsc = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, utmp[1] as i32, utmp[0] as i32))));
-                let dmn = _mm256_mul_ps(_mm256_set1_ps(dmin), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, utmp[3] as i32, utmp[2] as i32))));
-                // Independent accumulator chains (two per row, four for one row): a single chain
-                // of eight dependent dot products per block is bound by their latency.
-                let mut dp = [[_mm256_setzero_si256(); R]; 4];
+                let (sc, mn) = q4k_scales(b);
+                let dsc = _mm256_mul_ps(_mm256_set1_ps(f16(b)), sc);
+                let dmn = _mm256_mul_ps(_mm256_set1_ps(f16(b.add(2))), mn);
+                let mut dp = [[_mm256_setzero_si256(); R]; 2];
                 let q4 = b.add(16);
                 for c in 0..4 {
                     let bits = loadu(q4.add(32 * c));
                     let lo = _mm256_and_si256(bits, m4);
                     let hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-                    let ch = if R == 1 { 2 * (c & 1) } else { 0 };
                     for r in 0..R {
                         let q8 = a[r].get_unchecked(i).qs.as_ptr() as *const u8;
-                        dp[ch][r] = dpbusd(dp[ch][r], lo, loadu(q8.add(32 * c)));
-                        dp[ch + 1][r] = dpbusd(dp[ch + 1][r], hi, loadu(q8.add(32 * c + 128)));
+                        dp[0][r] = dpbusd(dp[0][r], lo, loadu(q8.add(32 * c)));
+                        dp[1][r] = dpbusd(dp[1][r], hi, loadu(q8.add(32 * c + 128)));
                     }
                 }
                 for r in 0..R {
                     let y = a[r].get_unchecked(i);
-                    let mut d = _mm256_add_epi32(dp[0][r], dp[1][r]);
-                    if R == 1 {
-                        d = _mm256_add_epi32(d, _mm256_add_epi32(dp[2][r], dp[3][r]));
-                    }
                     let s = _mm256_mul_ps(dsc, _mm256_set1_ps(y.d));
-                    acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(d), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_add_epi32(dp[0][r], dp[1][r])), acc[r]);
                     acc[r] = _mm256_fnmadd_ps(dmn, _mm256_loadu_ps(y.ybs.as_ptr()), acc[r]);
                 }
             }
             let mut out = [0f32; R];
             for r in 0..R {
                 out[r] = hsum(acc[r]);
+            }
+            out
+        }
+
+        /// Decode: `N` consecutive repacked Q4_K rows (`row_bytes` apart) against one activation
+        /// row. Each block's result is finished off the accumulator and joins it with one add, so
+        /// the loop-carried chain is one add per block rather than two dependent multiply-adds.
+        #[target_feature(enable = $features)]
+        #[inline]
+        unsafe fn q4k_rows<const N: usize>(w: *const u8, row_bytes: usize, a: &[Q8K]) -> [f32; N] {
+            let m4 = _mm256_set1_epi8(0xF);
+            let mut acc = [_mm256_setzero_ps(); N];
+            for i in 0..row_bytes / 144 {
+                let y = a.get_unchecked(i);
+                let q8 = y.qs.as_ptr() as *const u8;
+                let mut dp = [[_mm256_setzero_si256(); 2]; N];
+                for c in 0..4 {
+                    let (alo, ahi) = (loadu(q8.add(32 * c)), loadu(q8.add(32 * c + 128)));
+                    for n in 0..N {
+                        let bits = loadu(w.add(n * row_bytes + 144 * i + 16 + 32 * c));
+                        dp[n][0] = dpbusd(dp[n][0], _mm256_and_si256(bits, m4), alo);
+                        dp[n][1] = dpbusd(dp[n][1], _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), ahi);
+                    }
+                }
+                let ybs = _mm256_loadu_ps(y.ybs.as_ptr());
+                for n in 0..N {
+                    let b = w.add(n * row_bytes + 144 * i);
+                    let (sc, mn) = q4k_scales(b);
+                    let dsc = _mm256_mul_ps(_mm256_set1_ps(f16(b) * y.d), sc);
+                    let dmn = _mm256_mul_ps(_mm256_set1_ps(f16(b.add(2))), mn);
+                    let dots = _mm256_cvtepi32_ps(_mm256_add_epi32(dp[n][0], dp[n][1]));
+                    acc[n] = _mm256_add_ps(acc[n], _mm256_fnmadd_ps(dmn, ybs, _mm256_mul_ps(dsc, dots)));
+                }
+            }
+            let mut out = [0f32; N];
+            for n in 0..N {
+                out[n] = hsum(acc[n]);
             }
             out
         }
@@ -306,8 +344,9 @@ macro_rules! kernels {
         /// matrix-vector product, one call per task instead of one per row.
         #[target_feature(enable = $features)]
         pub unsafe fn gemv_q4k(w: &[u8], row_bytes: usize, a: &[Q8K], out: &mut [f32]) {
-            for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
-                *o = dot_q4k::<1>(row, [a])[0];
+            assert!(a.len() >= row_bytes / 144 && w.len() >= out.len() * row_bytes);
+            for (r, o) in out.iter_mut().enumerate() {
+                *o = q4k_rows::<1>(w.as_ptr().add(r * row_bytes), row_bytes, a)[0];
             }
         }
 
@@ -403,5 +442,5 @@ pub mod avx2 {
 /// AVX2 with AVX-512 F/BW/VL/VNNI also enabled.
 pub mod avx512 {
     use super::*;
-    kernels!("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", true);
+    kernels!("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,bmi2", true);
 }
