@@ -125,23 +125,30 @@ enum WeightBytes {
 }
 
 impl WeightBytes {
-    fn new(data: Vec<u8>) -> WeightBytes {
-        if data.len() < HugePageBuffer::HUGE_PAGE {
-            return WeightBytes::Heap(data);
-        }
-        match HugePageBuffer::zeroed(data.len()) {
-            Ok(mut map) => {
-                map.copy_from_slice(&data);
-                WeightBytes::Mapped(map)
+    /// A copy of `data`, in a `HugePageBuffer` from 2 MiB up (on the heap if mapping fails).
+    fn copy_of(data: &[u8]) -> WeightBytes {
+        if data.len() >= HugePageBuffer::HUGE_PAGE {
+            if let Ok(mut map) = HugePageBuffer::zeroed(data.len()) {
+                map.copy_from_slice(data);
+                return WeightBytes::Mapped(map);
             }
-            Err(_) => WeightBytes::Heap(data),
         }
+        WeightBytes::Heap(data.to_vec())
     }
 }
 
 impl std::ops::Deref for WeightBytes {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
+        match self {
+            WeightBytes::Heap(v) => v,
+            WeightBytes::Mapped(m) => m,
+        }
+    }
+}
+
+impl std::ops::DerefMut for WeightBytes {
+    fn deref_mut(&mut self) -> &mut [u8] {
         match self {
             WeightBytes::Heap(v) => v,
             WeightBytes::Mapped(m) => m,
@@ -201,22 +208,32 @@ impl QMatrix {
         if cols % ty.group_len() != 0 {
             return Ok(None);
         }
-        let data = q.data().map_err(|e| KernelError::Data(e.to_string()))?.into_owned();
-        QMatrix::from_bytes(ty, rows, cols, data).map(Some)
+        let data = q.data().map_err(|e| KernelError::Data(e.to_string()))?;
+        let row_bytes = QMatrix::check_shape(ty, rows, cols, data.len())?;
+        let mut bytes = WeightBytes::copy_of(&data);
+        ty.repack(&mut bytes);
+        Ok(Some(QMatrix { ty, rows, cols, row_bytes, data: bytes }))
     }
 
     /// A matrix from raw GGUF blocks (`rows * cols / block_len` blocks, row after row), repacked
     /// in place.
-    pub fn from_bytes(ty: QType, rows: usize, cols: usize, mut data: Vec<u8>) -> Result<QMatrix, KernelError> {
+    pub fn from_bytes(ty: QType, rows: usize, cols: usize, data: Vec<u8>) -> Result<QMatrix, KernelError> {
+        let row_bytes = QMatrix::check_shape(ty, rows, cols, data.len())?;
+        let mut bytes = if data.len() < HugePageBuffer::HUGE_PAGE { WeightBytes::Heap(data) } else { WeightBytes::copy_of(&data) };
+        ty.repack(&mut bytes);
+        Ok(QMatrix { ty, rows, cols, row_bytes, data: bytes })
+    }
+
+    /// The bytes per row of a `rows × cols` matrix of `ty` taking `len` bytes, or why it cannot be one.
+    fn check_shape(ty: QType, rows: usize, cols: usize, len: usize) -> Result<usize, KernelError> {
         if cols == 0 || cols % ty.group_len() != 0 {
             return Err(KernelError::Unsupported(format!("{cols} columns are not whole {ty:?} groups of {}", ty.group_len())));
         }
         let row_bytes = cols / ty.block_len() * ty.block_bytes();
-        if data.len() != rows * row_bytes {
-            return Err(KernelError::Data(format!("{} bytes for {rows}×{cols} {ty:?}", data.len())));
+        if len != rows * row_bytes {
+            return Err(KernelError::Data(format!("{len} bytes for {rows}×{cols} {ty:?}")));
         }
-        ty.repack(&mut data);
-        Ok(QMatrix { ty, rows, cols, row_bytes, data: WeightBytes::new(data) })
+        Ok(row_bytes)
     }
 
     pub fn size_in_bytes(&self) -> usize {
