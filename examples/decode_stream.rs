@@ -2,7 +2,9 @@
 //! 28 layers of q/k/v, o, gate+up and down, then the Q6_K output matrix) through shoal's decode
 //! matrix-vector kernels, pass after pass, beside a plain memory read over the same threads, and
 //! prints both rates and their ratio: the kernels' share of the decode roofline with no other
-//! work in the way. A development aid for tuning the kernels; asserts nothing.
+//! work in the way. With `L2=q4k` (or `q6k`) it instead times one 768×1536 matrix that stays in
+//! the L2 cache: the kernel's compute rate with no memory stream. Usage: `decode_stream [THREADS]
+//! [PASSES]`. A development aid for tuning the kernels; asserts nothing.
 
 use std::time::{Duration, Instant};
 
