@@ -132,3 +132,30 @@ fn gguf_without_tokenizer_json_uses_its_own_vocabulary() {
     let expected = model.text.decode(&case.generated_ids[..8]).unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim_end_matches('\n'), expected);
 }
+
+#[test]
+fn shoal_bench_reports_every_figure_as_json_and_refuses_a_prompt_past_the_context() {
+    let model = real_model("gemma3-270m").join("model.gguf");
+    let m = model.to_str().unwrap();
+    let args = ["bench", "--model", m, "--threads", "2", "--prompt-tokens", "32", "--gen-tokens", "8", "--repetitions", "1", "--json"];
+    let out = run_shoal(&args, Duration::from_secs(120));
+    assert!(out.status.success(), "shoal bench failed: {}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object on stdout");
+    for key in ["prefill_tok_s", "decode_tok_s", "mem_bw_bytes_s", "roofline_fraction"] {
+        let v = report[key].as_f64().unwrap_or_else(|| panic!("{key} missing in {report}"));
+        assert!(v.is_finite() && v > 0.0, "{key} = {v}");
+    }
+    assert_eq!(report["prompt_tokens"], 32, "{report}");
+    assert_eq!(report["gen_tokens"], 8, "{report}");
+    // The weights are read once per token, and the process holds at least them.
+    let weights = std::fs::metadata(&model).unwrap().len();
+    let per_token = report["bytes_per_token"].as_u64().expect("bytes_per_token");
+    assert!(per_token > weights / 2 && per_token <= weights, "{per_token} bytes per token for a {weights}-byte file");
+    let rss = report["rss_bytes"].as_u64().expect("rss_bytes");
+    assert!(rss > per_token && rss < 3 * weights + (512 << 20), "peak RSS {rss} for {weights} bytes of weights");
+
+    let too_long = ["bench", "--model", m, "--prompt-tokens", "100000000", "--gen-tokens", "8", "--json"];
+    let out = run_shoal(&too_long, Duration::from_secs(60));
+    assert!(!out.status.success(), "a prompt past the context must be refused");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("context"), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -54,10 +54,15 @@ pub fn run(model: &LoadedModel, opts: &BenchOptions) -> Result<BenchReport> {
     if !shard.is_first() || !shard.is_last() {
         return Err(EngineError::InvalidRequest("bench needs the whole model on this node".into()));
     }
+    // Checked before the filler is built: a huge request must fail at once, not after encoding it.
+    let too_long = || EngineError::InvalidRequest(format!("{} + {} tokens do not fit the context of {}", opts.prompt_tokens, opts.gen_tokens, model.spec.context_length));
+    if opts.prompt_tokens.saturating_add(opts.gen_tokens).saturating_add(8) > model.spec.context_length {
+        return Err(too_long());
+    }
     let mut prompt = model.text.encode_prompt(&FILLER.repeat(opts.prompt_tokens / 16 + 2))?;
     prompt.truncate(opts.prompt_tokens);
-    if prompt.len() < opts.prompt_tokens || opts.prompt_tokens + opts.gen_tokens + 8 > model.spec.context_length {
-        return Err(EngineError::InvalidRequest(format!("{} + {} tokens do not fit the context of {}", opts.prompt_tokens, opts.gen_tokens, model.spec.context_length)));
+    if prompt.len() < opts.prompt_tokens {
+        return Err(too_long());
     }
     let short = model.text.encode_prompt("Once upon a time")?;
 
@@ -91,6 +96,8 @@ pub fn run(model: &LoadedModel, opts: &BenchOptions) -> Result<BenchReport> {
         decode_runs.push(opts.gen_tokens as f64 / t0.elapsed().as_secs_f64());
     }
 
+    // Taken before the bandwidth probe below, whose buffer is not the model's memory.
+    let rss_bytes = peak_rss_bytes().unwrap_or(0);
     // The roofline's ceiling: CPU memory read over the same threads, or the GPU's copy rate.
     let mem_bw = match &opts.device {
         Some(d) if d.is_gpu() => super::probe::gpu_copy_bandwidth(d, 1 << 30, Duration::from_millis(600))?,
@@ -108,7 +115,7 @@ pub fn run(model: &LoadedModel, opts: &BenchOptions) -> Result<BenchReport> {
         decode_tok_s: decode,
         prefill_runs,
         decode_runs,
-        rss_bytes: peak_rss_bytes().unwrap_or(0),
+        rss_bytes,
         mem_bw_bytes_s: mem_bw,
         bytes_per_token: bytes,
         roofline_fraction: decode * bytes as f64 / mem_bw,
