@@ -20,7 +20,7 @@ use crate::util::{fixture, max_abs_diff, real_model, reference};
 const TOLERANCE: f32 = 1e-4;
 
 /// Prompt then `steps` greedy tokens on one shard; every step's logits and the tokens.
-fn run_one(shard: &Shard, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u32>) {
+pub(crate) fn run_one(shard: &Shard, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u32>) {
     let mut cache = shard.new_cache();
     let mut input = prompt.to_vec();
     let (mut logits, mut tokens) = (Vec::new(), Vec::new());
@@ -36,7 +36,7 @@ fn run_one(shard: &Shard, prompt: &[u32], steps: usize) -> (Vec<Vec<f32>>, Vec<u
 }
 
 /// Loads `n` tensor-parallel members of `source` and runs them on their own threads.
-fn run_tp(source: &ModelSource, n: usize, prompt: &[u32], steps: usize) -> Vec<(Vec<Vec<f32>>, Vec<u32>)> {
+pub(crate) fn run_tp(source: &ModelSource, n: usize, prompt: &[u32], steps: usize) -> Vec<(Vec<Vec<f32>>, Vec<u32>)> {
     let group = local_group(n, 0, Duration::from_secs(60)).expect("group");
     let shards: Vec<Shard> = group
         .iter()
@@ -174,7 +174,7 @@ fn qwen_1_5b_gguf_at_four_members_equals_one_node() {
 /// int8-quantized activations turn that rounding noise into logit moves of up to ~1 (Qwen's
 /// test prints ~0.8 with equal tokens); tokens agree up to the first step whose top-two margin
 /// is within that movement.
-/// (`shoal serve`'s tensor test uses a prompt free of such ties.)
+/// (`shoal serve`'s tensor tests therefore compare with this in-process split, not one node.)
 #[test]
 fn gemma_270m_gguf_at_two_members_differs_from_one_node_only_at_a_near_tie() {
     let source = ModelSource::open(&real_model("gemma3-270m").join("model.gguf")).expect("gemma opens");
