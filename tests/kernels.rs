@@ -24,6 +24,12 @@ fn isas() -> Vec<Isa> {
     if shoal::engine::kernels::x86::has_avx512() {
         v.push(Isa::Avx512);
     }
+    #[cfg(target_arch = "aarch64")]
+    v.push(Isa::Neon);
+    #[cfg(target_arch = "aarch64")]
+    if shoal::engine::kernels::neon::has_dotprod() {
+        v.push(Isa::NeonDotProd);
+    }
     v
 }
 

@@ -8,6 +8,8 @@
 pub mod act;
 pub mod attend;
 pub mod gated;
+#[cfg(target_arch = "aarch64")]
+pub mod neon;
 pub mod pool;
 pub mod portable;
 #[cfg(target_arch = "x86_64")]
@@ -91,6 +93,10 @@ pub enum Isa {
     Avx2,
     #[cfg(target_arch = "x86_64")]
     Avx512,
+    #[cfg(target_arch = "aarch64")]
+    Neon,
+    #[cfg(target_arch = "aarch64")]
+    NeonDotProd,
 }
 
 impl Isa {
@@ -100,6 +106,11 @@ impl Isa {
             Isa::Auto if x86::has_avx512() => Isa::Avx512,
             #[cfg(target_arch = "x86_64")]
             Isa::Auto if x86::has_avx2() => Isa::Avx2,
+            #[cfg(target_arch = "aarch64")]
+            Isa::Auto if neon::has_dotprod() => Isa::NeonDotProd,
+            #[cfg(target_arch = "aarch64")]
+            Isa::Auto => Isa::Neon,
+            #[cfg(not(target_arch = "aarch64"))]
             Isa::Auto => Isa::Portable,
             other => other,
         }
@@ -332,6 +343,16 @@ fn dot_rows<const R: usize>(w: &QMatrix, row: usize, acts: &Acts, a_rows: [usize
                 (Isa::Avx512, QType::Q4K) => unsafe { x86::avx512::dot_q4k::<R>(wr, ar) },
                 #[cfg(target_arch = "x86_64")]
                 (Isa::Avx512, QType::Q6K) => unsafe { x86::avx512::dot_q6k::<R>(wr, ar) },
+                // SAFETY: NEON is part of every aarch64 CPU; `NeonDotProd` is only chosen when the
+                // CPU has FEAT_DotProd (`Isa::resolve`, or a test that checked it).
+                #[cfg(target_arch = "aarch64")]
+                (Isa::Neon, QType::Q4K) => unsafe { neon::plain::dot_q4k::<R>(wr, ar) },
+                #[cfg(target_arch = "aarch64")]
+                (Isa::Neon, QType::Q6K) => unsafe { neon::plain::dot_q6k::<R>(wr, ar) },
+                #[cfg(target_arch = "aarch64")]
+                (Isa::NeonDotProd, QType::Q4K) => unsafe { neon::dotprod::dot_q4k::<R>(wr, ar) },
+                #[cfg(target_arch = "aarch64")]
+                (Isa::NeonDotProd, QType::Q6K) => unsafe { neon::dotprod::dot_q6k::<R>(wr, ar) },
                 (_, QType::Q4K) => ar.map(|a| portable::dot_q4k(wr, a)),
                 (_, QType::Q6K) => ar.map(|a| portable::dot_q6k(wr, a)),
                 _ => unreachable!("k-quant activations are made only for k-quant weights"),
@@ -350,6 +371,15 @@ fn dot_rows<const R: usize>(w: &QMatrix, row: usize, acts: &Acts, a_rows: [usize
                 (Isa::Avx512, QType::Q8_0) => unsafe { x86::avx512::dot_q8_0::<R>(wr, ar) },
                 #[cfg(target_arch = "x86_64")]
                 (Isa::Avx512, QType::Q5_0) => unsafe { x86::avx512::dot_q5_0::<R>(wr, ar) },
+                // SAFETY: as above.
+                #[cfg(target_arch = "aarch64")]
+                (Isa::Neon, QType::Q8_0) => unsafe { neon::plain::dot_q8_0::<R>(wr, ar) },
+                #[cfg(target_arch = "aarch64")]
+                (Isa::Neon, QType::Q5_0) => unsafe { neon::plain::dot_q5_0::<R>(wr, ar) },
+                #[cfg(target_arch = "aarch64")]
+                (Isa::NeonDotProd, QType::Q8_0) => unsafe { neon::dotprod::dot_q8_0::<R>(wr, ar) },
+                #[cfg(target_arch = "aarch64")]
+                (Isa::NeonDotProd, QType::Q5_0) => unsafe { neon::dotprod::dot_q5_0::<R>(wr, ar) },
                 (_, QType::Q8_0) => ar.map(|a| portable::dot_q8_0(wr, a)),
                 (_, QType::Q5_0) => ar.map(|a| portable::dot_q5_0(wr, a)),
                 _ => unreachable!("32-element activations are made only for 32-element weights"),
@@ -360,7 +390,9 @@ fn dot_rows<const R: usize>(w: &QMatrix, row: usize, acts: &Acts, a_rows: [usize
 
 /// Rows `rows` of `w` against the one activation row in `acts` (decode).
 fn gemv(w: &QMatrix, rows: std::ops::Range<usize>, acts: &Acts, isa: Isa, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
     let wr = &w.data[rows.start * w.row_bytes..rows.end * w.row_bytes];
+    #[cfg(target_arch = "x86_64")]
     let rb = w.row_bytes;
     match (acts, isa, w.ty) {
         // SAFETY: `Isa::Avx2` / `Avx512` are only chosen when the CPU has those features.
