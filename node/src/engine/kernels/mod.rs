@@ -220,31 +220,28 @@ impl QMatrix {
             return Ok(None);
         }
         let data = q.data().map_err(|e| KernelError::Data(e.to_string()))?;
-        let row_bytes = QMatrix::check_shape(ty, rows, cols, data.len())?;
-        let mut bytes = WeightBytes::copy_of(&data);
-        ty.repack(&mut bytes);
-        Ok(Some(QMatrix { ty, rows, cols, row_bytes, data: bytes }))
+        QMatrix::repacked(ty, rows, cols, WeightBytes::copy_of(&data)).map(Some)
     }
 
     /// A matrix from raw GGUF blocks (`rows * cols / block_len` blocks, row after row), repacked
     /// in place.
     pub fn from_bytes(ty: QType, rows: usize, cols: usize, data: Vec<u8>) -> Result<QMatrix, KernelError> {
-        let row_bytes = QMatrix::check_shape(ty, rows, cols, data.len())?;
-        let mut bytes = if data.len() < HugePageBuffer::HUGE_PAGE { WeightBytes::Heap(data) } else { WeightBytes::copy_of(&data) };
-        ty.repack(&mut bytes);
-        Ok(QMatrix { ty, rows, cols, row_bytes, data: bytes })
+        let bytes = if data.len() < HugePageBuffer::HUGE_PAGE { WeightBytes::Heap(data) } else { WeightBytes::copy_of(&data) };
+        QMatrix::repacked(ty, rows, cols, bytes)
     }
 
-    /// The bytes per row of a `rows × cols` matrix of `ty` taking `len` bytes, or why it cannot be one.
-    fn check_shape(ty: QType, rows: usize, cols: usize, len: usize) -> Result<usize, KernelError> {
+    /// A `rows × cols` matrix of `ty` from its GGUF blocks in `data`, repacked in place, or why
+    /// the bytes cannot be one.
+    fn repacked(ty: QType, rows: usize, cols: usize, mut data: WeightBytes) -> Result<QMatrix, KernelError> {
         if cols == 0 || cols % ty.group_len() != 0 {
             return Err(KernelError::Unsupported(format!("{cols} columns are not whole {ty:?} groups of {}", ty.group_len())));
         }
         let row_bytes = cols / ty.block_len() * ty.block_bytes();
-        if len != rows * row_bytes {
-            return Err(KernelError::Data(format!("{len} bytes for {rows}×{cols} {ty:?}")));
+        if data.len() != rows * row_bytes {
+            return Err(KernelError::Data(format!("{} bytes for {rows}×{cols} {ty:?}", data.len())));
         }
-        Ok(row_bytes)
+        ty.repack(&mut data);
+        Ok(QMatrix { ty, rows, cols, row_bytes, data })
     }
 
     pub fn size_in_bytes(&self) -> usize {

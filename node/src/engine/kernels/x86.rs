@@ -143,41 +143,31 @@ macro_rules! kernels {
             out
         }
 
-        /// Decode: `N` consecutive repacked Q4_K rows (`row_bytes` apart) against one activation
-        /// row. Each block's result is finished off the accumulator and joins it with one add, so
-        /// the loop-carried chain is one add per block rather than two dependent multiply-adds.
+        /// Decode: one repacked Q4_K row (`row_bytes` long) against one activation row. Each
+        /// block's result is finished off the accumulator and joins it with one add, so the
+        /// loop-carried chain is one add per block rather than two dependent multiply-adds.
         #[target_feature(enable = $features)]
         #[inline]
-        unsafe fn q4k_rows<const N: usize>(w: *const u8, row_bytes: usize, a: &[Q8K]) -> [f32; N] {
+        unsafe fn q4k_row(w: *const u8, row_bytes: usize, a: &[Q8K]) -> f32 {
             let m4 = _mm256_set1_epi8(0xF);
-            let mut acc = [_mm256_setzero_ps(); N];
+            let mut acc = _mm256_setzero_ps();
             for i in 0..row_bytes / 144 {
                 let y = a.get_unchecked(i);
                 let q8 = y.qs.as_ptr() as *const u8;
-                let mut dp = [[_mm256_setzero_si256(); 2]; N];
+                let b = w.add(144 * i);
+                let mut dp = [_mm256_setzero_si256(); 2];
                 for c in 0..4 {
-                    let (alo, ahi) = (loadu(q8.add(32 * c)), loadu(q8.add(32 * c + 128)));
-                    for n in 0..N {
-                        let bits = loadu(w.add(n * row_bytes + 144 * i + 16 + 32 * c));
-                        dp[n][0] = dpbusd(dp[n][0], _mm256_and_si256(bits, m4), alo);
-                        dp[n][1] = dpbusd(dp[n][1], _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), ahi);
-                    }
+                    let bits = loadu(b.add(16 + 32 * c));
+                    dp[0] = dpbusd(dp[0], _mm256_and_si256(bits, m4), loadu(q8.add(32 * c)));
+                    dp[1] = dpbusd(dp[1], _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), loadu(q8.add(32 * c + 128)));
                 }
-                let ybs = _mm256_loadu_ps(y.ybs.as_ptr());
-                for n in 0..N {
-                    let b = w.add(n * row_bytes + 144 * i);
-                    let (sc, mn) = q4k_scales(b);
-                    let dsc = _mm256_mul_ps(_mm256_set1_ps(f16(b) * y.d), sc);
-                    let dmn = _mm256_mul_ps(_mm256_set1_ps(f16(b.add(2))), mn);
-                    let dots = _mm256_cvtepi32_ps(_mm256_add_epi32(dp[n][0], dp[n][1]));
-                    acc[n] = _mm256_add_ps(acc[n], _mm256_fnmadd_ps(dmn, ybs, _mm256_mul_ps(dsc, dots)));
-                }
+                let (sc, mn) = q4k_scales(b);
+                let dsc = _mm256_mul_ps(_mm256_set1_ps(f16(b) * y.d), sc);
+                let dmn = _mm256_mul_ps(_mm256_set1_ps(f16(b.add(2))), mn);
+                let dots = _mm256_cvtepi32_ps(_mm256_add_epi32(dp[0], dp[1]));
+                acc = _mm256_add_ps(acc, _mm256_fnmadd_ps(dmn, _mm256_loadu_ps(y.ybs.as_ptr()), _mm256_mul_ps(dsc, dots)));
             }
-            let mut out = [0f32; N];
-            for n in 0..N {
-                out[n] = hsum(acc[n]);
-            }
-            out
+            hsum(acc)
         }
 
         /// Dot products of one repacked Q6_K row with `R` Q8_K activation rows.
@@ -346,7 +336,7 @@ macro_rules! kernels {
         pub unsafe fn gemv_q4k(w: &[u8], row_bytes: usize, a: &[Q8K], out: &mut [f32]) {
             assert!(a.len() >= row_bytes / 144 && w.len() >= out.len() * row_bytes);
             for (r, o) in out.iter_mut().enumerate() {
-                *o = q4k_rows::<1>(w.as_ptr().add(r * row_bytes), row_bytes, a)[0];
+                *o = q4k_row(w.as_ptr().add(r * row_bytes), row_bytes, a);
             }
         }
 
