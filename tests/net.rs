@@ -351,8 +351,18 @@ async fn quic_carries_adverts_and_requests_without_a_cluster_key() {
         ..loopback_config(peers, None)
     };
     let a = start_with(quic_and_tcp(vec![])).await;
-    let addrs = a.handle.listen_addrs().await.unwrap();
-    let quic = addrs.into_iter().find(|addr| addr.iter().any(|p| matches!(p, Protocol::QuicV1))).expect("a QUIC listen address");
+    // Each listener reports its address when it is up, the UDP one not necessarily first.
+    let quic = tokio::time::timeout(Duration::from_secs(3), async {
+        loop {
+            let addrs = a.handle.listen_addrs().await.unwrap();
+            if let Some(quic) = addrs.into_iter().find(|addr| addr.iter().any(|p| matches!(p, Protocol::QuicV1))) {
+                break quic;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("a QUIC listen address within 3 s");
     let t = Instant::now();
     let b = start_with(quic_and_tcp(vec![quic.with(Protocol::P2p(a.id()))])).await;
     wait_until(Duration::from_secs(3), || a.seen(|s| s.connected.contains(&b.id()))).await.expect("connected over QUIC within 3 s");
