@@ -1,6 +1,7 @@
 //! shoal's quantized kernels against their references: for every weight format the models use
-//! (Q4_K, Q6_K, Q8_0, Q5_0), row dequantization equals candle's, every implementation (portable,
-//! and AVX2 / AVX-512 where the CPU has them) agrees with the portable one for 1..9 activation rows, and the
+//! (Q4_K, Q6_K, Q8_0, Q5_0) and both layouts (row after row, and the k-quants' interleaved groups
+//! of eight rows), row dequantization equals candle's, every implementation (portable, AVX2 /
+//! AVX-512 or NEON where the CPU has them) agrees with the portable one for 1..9 activation rows, and the
 //! result stays within the 8-bit activation error of the f32 product of the dequantized matrix.
 //! Activation quantization is bit-identical across implementations; the pool runs each task once;
 //! the fused MLP activation agrees with candle's SiLU / GELU ops.
@@ -10,7 +11,7 @@ use candle_core::{Device, Module, Tensor};
 use rand::{Rng, SeedableRng};
 use shoal::engine::kernels::act::{self, Q8x4, Q8K};
 use shoal::engine::kernels::pool::Pool;
-use shoal::engine::kernels::{matmul_many, Isa, QMatrix};
+use shoal::engine::kernels::{matmul_many, Isa, QMatrix, RowLayout};
 
 const TYPES: [GgmlDType; 4] = [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q8_0, GgmlDType::Q5_0];
 
@@ -45,6 +46,23 @@ fn quantized(dtype: GgmlDType, rows: usize, cols: usize, seed: u64) -> (QTensor,
     (q, m)
 }
 
+/// The shapes and layouts each format is tested in: rows that do not fill groups of eight, and
+/// for the k-quants also whole groups in both layouts.
+fn layouts(dtype: GgmlDType) -> Vec<(usize, RowLayout)> {
+    let mut v = vec![(37, RowLayout::Rows)];
+    if matches!(dtype, GgmlDType::Q4K | GgmlDType::Q6K) {
+        v.extend([(40, RowLayout::Rows), (40, RowLayout::Interleaved8)]);
+    }
+    v
+}
+
+fn quantized_in(dtype: GgmlDType, rows: usize, cols: usize, seed: u64, layout: RowLayout) -> (QTensor, QMatrix) {
+    let (q, _) = quantized(dtype, rows, cols, seed);
+    let m = QMatrix::from_qtensor_in(&q, layout).unwrap().expect("a supported format");
+    assert_eq!(m.layout, layout);
+    (q, m)
+}
+
 fn reference_f32(w: &[f32], x: &[f32], m: usize, rows: usize, cols: usize) -> Vec<f32> {
     let mut out = vec![0f32; m * rows];
     for a in 0..m {
@@ -58,19 +76,21 @@ fn reference_f32(w: &[f32], x: &[f32], m: usize, rows: usize, cols: usize) -> Ve
 #[test]
 fn dequantized_rows_equal_candle_for_every_format() {
     for dtype in TYPES {
-        let (q, m) = quantized(dtype, 8, 512, 1);
-        let ours = m.dequantize();
-        let theirs = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        assert_eq!(ours, theirs, "{dtype:?}");
+        for (rows, layout) in layouts(dtype) {
+            let (q, m) = quantized_in(dtype, rows, 512, 1, layout);
+            let ours = m.dequantize();
+            let theirs = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(ours, theirs, "{dtype:?} {layout:?}");
+        }
     }
 }
 
 #[test]
 fn every_kernel_agrees_with_the_reference_for_every_format() {
     let pool = Pool::new(2);
-    let (rows, cols) = (37, 768);
-    for dtype in TYPES {
-        let (_, w) = quantized(dtype, rows, cols, 2);
+    let cols = 768;
+    for (dtype, (rows, layout)) in TYPES.into_iter().flat_map(|t| layouts(t).into_iter().map(move |l| (t, l))) {
+        let (_, w) = quantized_in(dtype, rows, cols, 2, layout);
         let wf = w.dequantize();
         for m in [1usize, 2, 3, 4, 5, 7, 9] {
             let mut rng = rand::rngs::StdRng::seed_from_u64(m as u64);
@@ -81,18 +101,18 @@ fn every_kernel_agrees_with_the_reference_for_every_format() {
             matmul_many(&[&w], &x, m, &mut [&mut portable], Isa::Portable, &pool);
             // 8-bit activations: the product stays within a few percent of the largest output.
             let err = exact.iter().zip(&portable).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            assert!(err <= 0.03 * max, "{dtype:?} m={m}: error {err} against max {max}");
+            assert!(err <= 0.03 * max, "{dtype:?} {layout:?} m={m}: error {err} against max {max}");
             // candle's own quantized matmul quantizes activations the same way.
             let xt = Tensor::from_vec(x.clone(), (m, cols), &Device::Cpu).unwrap();
             let theirs = QMatMul::from_qtensor(quantized(dtype, rows, cols, 2).0).unwrap();
             let theirs = theirs.forward(&xt).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let diff = theirs.iter().zip(&portable).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            assert!(diff <= 1e-4 * max.max(1.0), "{dtype:?} m={m}: portable vs candle differ by {diff}");
+            assert!(diff <= 1e-4 * max.max(1.0), "{dtype:?} {layout:?} m={m}: portable vs candle differ by {diff}");
             for isa in isas() {
                 let mut out = vec![0f32; m * rows];
                 matmul_many(&[&w], &x, m, &mut [&mut out], isa, &pool);
                 let diff = out.iter().zip(&portable).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-                assert!(diff <= 1e-5 * max.max(1.0), "{dtype:?} m={m} {isa:?}: differs from portable by {diff}");
+                assert!(diff <= 1e-5 * max.max(1.0), "{dtype:?} {layout:?} m={m} {isa:?}: differs from portable by {diff}");
             }
         }
     }

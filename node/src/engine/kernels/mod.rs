@@ -84,6 +84,30 @@ impl QType {
     }
 }
 
+/// How a matrix's step-ordered blocks are arranged (`portable.rs` has both).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowLayout {
+    /// Row after row.
+    Rows,
+    /// Rows in groups of eight, the blocks of each group interleaved so that every 32-bit lane of
+    /// a 256-bit register belongs to one row (Q4_K and Q6_K).
+    Interleaved8,
+}
+
+impl RowLayout {
+    /// The layout this machine's kernels stream fastest for a `ty` matrix of `rows` rows: the
+    /// interleaved one for k-quants on x86-64 with AVX2 (measured in L2 on Zen 4: about 1.8× the
+    /// row layout's Q4_K rate), rows elsewhere.
+    pub fn preferred(ty: QType, rows: usize) -> RowLayout {
+        #[cfg(target_arch = "x86_64")]
+        if ty.k_quant() && rows % 8 == 0 && x86::has_avx2() {
+            return RowLayout::Interleaved8;
+        }
+        let _ = (ty, rows);
+        RowLayout::Rows
+    }
+}
+
 /// Which implementation runs the dot products (tests pin one; `Auto` picks the fastest).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
@@ -124,6 +148,7 @@ pub struct QMatrix {
     pub ty: QType,
     pub rows: usize,
     pub cols: usize,
+    pub layout: RowLayout,
     row_bytes: usize,
     data: WeightBytes,
 }
@@ -220,19 +245,28 @@ impl QMatrix {
             return Ok(None);
         }
         let data = q.data().map_err(|e| KernelError::Data(e.to_string()))?;
-        QMatrix::repacked(ty, rows, cols, WeightBytes::copy_of(&data)).map(Some)
+        QMatrix::repacked(ty, rows, cols, WeightBytes::copy_of(&data), RowLayout::preferred(ty, rows)).map(Some)
+    }
+
+    /// As `from_qtensor`, in a given layout (tests compare layouts; `Interleaved8` needs k-quant
+    /// rows in whole groups of eight).
+    pub fn from_qtensor_in(q: &QTensor, layout: RowLayout) -> Result<Option<QMatrix>, KernelError> {
+        let Some(ty) = QType::from_ggml(q.dtype()) else { return Ok(None) };
+        let Ok((rows, cols)) = q.shape().dims2() else { return Ok(None) };
+        let data = q.data().map_err(|e| KernelError::Data(e.to_string()))?;
+        QMatrix::repacked(ty, rows, cols, WeightBytes::copy_of(&data), layout).map(Some)
     }
 
     /// A matrix from raw GGUF blocks (`rows * cols / block_len` blocks, row after row), repacked
     /// in place.
     pub fn from_bytes(ty: QType, rows: usize, cols: usize, data: Vec<u8>) -> Result<QMatrix, KernelError> {
         let bytes = if data.len() < HugePageBuffer::HUGE_PAGE { WeightBytes::Heap(data) } else { WeightBytes::copy_of(&data) };
-        QMatrix::repacked(ty, rows, cols, bytes)
+        QMatrix::repacked(ty, rows, cols, bytes, RowLayout::preferred(ty, rows))
     }
 
     /// A `rows × cols` matrix of `ty` from its GGUF blocks in `data`, repacked in place, or why
     /// the bytes cannot be one.
-    fn repacked(ty: QType, rows: usize, cols: usize, mut data: WeightBytes) -> Result<QMatrix, KernelError> {
+    fn repacked(ty: QType, rows: usize, cols: usize, mut data: WeightBytes, layout: RowLayout) -> Result<QMatrix, KernelError> {
         if cols == 0 || cols % ty.group_len() != 0 {
             return Err(KernelError::Unsupported(format!("{cols} columns are not whole {ty:?} groups of {}", ty.group_len())));
         }
@@ -241,20 +275,46 @@ impl QMatrix {
             return Err(KernelError::Data(format!("{} bytes for {rows}×{cols} {ty:?}", data.len())));
         }
         ty.repack(&mut data);
-        Ok(QMatrix { ty, rows, cols, row_bytes, data })
+        if layout == RowLayout::Interleaved8 {
+            if !ty.k_quant() || rows % 8 != 0 {
+                return Err(KernelError::Unsupported(format!("{rows} {ty:?} rows do not interleave in eights")));
+            }
+            let (q4k, bb) = (ty == QType::Q4K, ty.block_bytes());
+            for group in data.chunks_exact_mut(8 * row_bytes) {
+                let rows_of = group.to_vec();
+                for (i, out) in group.chunks_exact_mut(8 * bb).enumerate() {
+                    let blocks = std::array::from_fn(|j| &rows_of[j * row_bytes + i * bb..j * row_bytes + (i + 1) * bb]);
+                    portable::interleave_x8(q4k, blocks, out);
+                }
+            }
+        }
+        Ok(QMatrix { ty, rows, cols, layout, row_bytes, data })
     }
 
     pub fn size_in_bytes(&self) -> usize {
         self.data.len()
     }
 
+    /// Row `r` (layout `Rows`).
     fn row(&self, r: usize) -> &[u8] {
         &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
     }
 
+    /// Rows `8 g .. 8 g + 8` (layout `Interleaved8`).
+    fn group(&self, g: usize) -> &[u8] {
+        &self.data[8 * g * self.row_bytes..8 * (g + 1) * self.row_bytes]
+    }
+
     /// Row `r` as f32 (an embedding lookup).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        let w = self.row(r);
+        let group;
+        let w = match self.layout {
+            RowLayout::Rows => self.row(r),
+            RowLayout::Interleaved8 => {
+                group = portable::row_of_x8_group(self.ty == QType::Q4K, self.group(r / 8), r % 8);
+                &group
+            }
+        };
         match self.ty {
             QType::Q4K => portable::dequantize_q4k(w, out),
             QType::Q6K => portable::dequantize_q6k(w, out),
@@ -385,8 +445,48 @@ fn dot_rows<const R: usize>(w: &QMatrix, row: usize, acts: &Acts, a_rows: [usize
     }
 }
 
+/// Interleaved rows `8 g .. 8 g + 8` of `w` against `R` activation rows: `[activation][row]`.
+#[inline]
+fn dot_group<const R: usize>(w: &QMatrix, g: usize, a: &[Q8K], a_rows: [usize; R], isa: Isa) -> [[f32; 8]; R] {
+    let (group, per, q4k) = (w.group(g), w.cols / 256, w.ty == QType::Q4K);
+    let ar: [&[Q8K]; R] = a_rows.map(|i| &a[i * per..(i + 1) * per]);
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: `Isa::Avx2` / `Avx512` are only chosen when the CPU has those features; the
+        // group holds `per` interleaved blocks and every activation row `per` blocks.
+        let lanes = match (isa, q4k) {
+            (Isa::Avx512, true) => Some(unsafe { x86::avx512::dot_q4k_x8::<R>(group.as_ptr(), per, ar) }),
+            (Isa::Avx512, false) => Some(unsafe { x86::avx512::dot_q6k_x8::<R>(group.as_ptr(), per, ar) }),
+            (Isa::Avx2, true) => Some(unsafe { x86::avx2::dot_q4k_x8::<R>(group.as_ptr(), per, ar) }),
+            (Isa::Avx2, false) => Some(unsafe { x86::avx2::dot_q6k_x8::<R>(group.as_ptr(), per, ar) }),
+            _ => None,
+        };
+        if let Some(lanes) = lanes {
+            // SAFETY: a 256-bit register is eight f32 lanes.
+            return lanes.map(|v| unsafe { std::mem::transmute::<std::arch::x86_64::__m256, [f32; 8]>(v) });
+        }
+    }
+    ar.map(|a| portable::dot_x8(q4k, group, a))
+}
+
 /// Rows `rows` of `w` against the one activation row in `acts` (decode).
 fn gemv(w: &QMatrix, rows: std::ops::Range<usize>, acts: &Acts, isa: Isa, out: &mut [f32]) {
+    if let (RowLayout::Interleaved8, Acts::K(a)) = (w.layout, acts) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let (wr, gb, q4k) = (&w.data[rows.start * w.row_bytes..rows.end * w.row_bytes], 8 * w.row_bytes, w.ty == QType::Q4K);
+            // SAFETY: as in `dot_group`.
+            match isa {
+                Isa::Avx512 => return unsafe { x86::avx512::gemv_x8(q4k, wr, gb, a, out) },
+                Isa::Avx2 => return unsafe { x86::avx2::gemv_x8(q4k, wr, gb, a, out) },
+                _ => {}
+            }
+        }
+        for (g, o) in (rows.start / 8..rows.end / 8).zip(out.chunks_exact_mut(8)) {
+            o.copy_from_slice(&dot_group::<1>(w, g, a, [0], isa)[0]);
+        }
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     let wr = &w.data[rows.start * w.row_bytes..rows.end * w.row_bytes];
     #[cfg(target_arch = "x86_64")]
@@ -434,7 +534,8 @@ pub fn matmul_many(mats: &[&QMatrix], x: &[f32], m: usize, outs: &mut [&mut [f32
     // Tasks: contiguous row ranges of each matrix, about 8 per thread in all (decode) or row tiles
     // small enough for their weights to stay in L2 while every activation row passes (prompts).
     let total_rows: usize = mats.iter().map(|w| w.rows).sum();
-    let chunk = if m == 1 { (total_rows / (8 * pool.threads())).clamp(16, 512) } else { 16 };
+    // Both are whole groups of eight rows, for interleaved matrices.
+    let chunk = if m == 1 { (total_rows / (8 * pool.threads())).clamp(16, 512) / 8 * 8 } else { 16 };
     let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
     for (i, w) in mats.iter().enumerate() {
         let mut r = 0;
@@ -462,6 +563,29 @@ pub fn matmul_many(mats: &[&QMatrix], x: &[f32], m: usize, outs: &mut [&mut [f32
         // Activation rows in groups of 4 per unpacked weight block (8 measured no faster, even with
         // AVX-512's 32 registers); the tail runs with the group size it needs.
         let group = if isa == Isa::Portable { 1 } else { 4 };
+        if let (RowLayout::Interleaved8, Acts::K(acts)) = (w.layout, acts) {
+            macro_rules! groups {
+                ($n:literal, $a:expr) => {{
+                    let a = $a;
+                    for g in r0 / 8..r1 / 8 {
+                        let v = dot_group::<$n>(w, g, acts, std::array::from_fn(|j| a + j), isa);
+                        (0..$n).for_each(|j| (0..8).for_each(|l| put(a + j, 8 * g + l, v[j][l])));
+                    }
+                }};
+            }
+            let mut a = 0;
+            while a < m {
+                let n = (m - a).min(group);
+                match n {
+                    4 => groups!(4, a),
+                    3 => groups!(3, a),
+                    2 => groups!(2, a),
+                    _ => groups!(1, a),
+                }
+                a += n;
+            }
+            return;
+        }
         macro_rules! rows {
             ($n:literal, $a:expr) => {{
                 let a = $a;

@@ -331,3 +331,107 @@ pub fn dequantize_q5_0(w: &[u8], out: &mut [f32]) {
         }
     }
 }
+
+// ---- Eight-row interleaving (Q4_K and Q6_K, rows in groups of eight) ----
+//
+// On x86-64 a k-quant matrix whose rows come in eights is stored one more step further: the
+// step-ordered blocks `i` of rows `8 g .. 8 g + 8` are interleaved into one block of eight times
+// the size, so that each 32-bit lane of a 256-bit register belongs to one row. A decode kernel then
+// broadcasts 4 activation bytes, takes one integer dot product for eight rows, and does each
+// block's scale work (6-bit unpacking, f16 conversion, multiply-adds) once for eight rows instead
+// of once per row. The bytes are the same bytes, moved:
+//
+// - Q4_K ×8 (1152 bytes): `d` of row j at 2 j, `dmin` at 16 + 2 j; byte 32 + 8 s + j is row j's
+//   scale byte s (low 4 bits of scale and min); the little-endian u16 at 96 + 2 s holds in bits
+//   2 j, 2 j + 1 the high bits of row j's scale s, the one at 112 + 2 s those of its min s; byte
+//   128 + 128 s + 32 k + 4 j + e is row j's `qs` byte 32 k + 4 s + e (values 32 s + 4 k + e, low
+//   nibble, and 32 s + 16 + 4 k + e, high nibble).
+// - Q6_K ×8 (1680 bytes): `d` of row j at 2 j; byte 16 + 8 t + j is row j's scale t; then each
+//   sub-block s in 192 bytes from 144 + 192 s: byte 32 c + 4 j + e of them is row j's `ql` byte
+//   32 c + 4 s + e, and byte 128 + 32 h + 4 j + e its `qh` byte 128 + 32 h + 4 s + e.
+
+/// Bytes of one interleaved block of eight rows.
+pub fn x8_block_bytes(q4k: bool) -> usize {
+    if q4k { 8 * 144 } else { 8 * 210 }
+}
+
+/// Where byte `o` of row `j`'s step-ordered block lives in the interleaved block (for every byte
+/// that moves whole: all but Q4_K's word of high scale bits, bytes 12..16).
+fn x8_place(q4k: bool, j: usize, o: usize) -> usize {
+    let group = |base: usize, o: usize| base + 128 * ((o % 32) / 4) + 32 * (o / 32) + 4 * j + o % 4;
+    if q4k {
+        match o {
+            0..4 => 16 * (o / 2) + 2 * j + o % 2,
+            4..12 => 32 + 8 * (o - 4) + j,
+            _ => group(128, o - 16),
+        }
+    } else {
+        match o {
+            0..128 => 144 + 192 * ((o % 32) / 4) + 32 * (o / 32) + 4 * j + o % 4,
+            128..192 => 272 + 192 * ((o % 32) / 4) + 32 * ((o - 128) / 32) + 4 * j + o % 4,
+            192..208 => 16 + 8 * (o - 192) + j,
+            _ => 2 * j + (o - 208),
+        }
+    }
+}
+
+/// Interleaves eight step-ordered blocks (one per row) into `out`.
+pub fn interleave_x8(q4k: bool, rows: [&[u8]; 8], out: &mut [u8]) {
+    let bb = if q4k { 144 } else { 210 };
+    for (j, b) in rows.iter().enumerate() {
+        for o in (0..bb).filter(|&o| !(q4k && (12..16).contains(&o))) {
+            out[x8_place(q4k, j, o)] = b[o];
+        }
+    }
+    if q4k {
+        out[96..128].fill(0);
+        for (j, b) in rows.iter().enumerate() {
+            let hi = u32::from_le_bytes(b[12..16].try_into().expect("4 bytes"));
+            for s in 0..8 {
+                for (base, shift) in [(96, 2 * s), (112, 16 + 2 * s)] {
+                    let field = ((hi >> shift) & 3) as u16;
+                    let at = base + 2 * s;
+                    let word = u16::from_le_bytes([out[at], out[at + 1]]) | field << (2 * j);
+                    out[at..at + 2].copy_from_slice(&word.to_le_bytes());
+                }
+            }
+        }
+    }
+}
+
+/// Row `j`'s step-ordered block, taken back out of an interleaved block.
+pub fn row_of_x8(q4k: bool, x8: &[u8], j: usize, out: &mut [u8]) {
+    let bb = if q4k { 144 } else { 210 };
+    for o in (0..bb).filter(|&o| !(q4k && (12..16).contains(&o))) {
+        out[o] = x8[x8_place(q4k, j, o)];
+    }
+    if q4k {
+        let mut hi = 0u32;
+        for s in 0..8 {
+            for (base, shift) in [(96, 2 * s), (112, 16 + 2 * s)] {
+                let word = u16::from_le_bytes([x8[base + 2 * s], x8[base + 2 * s + 1]]);
+                hi |= u32::from((word >> (2 * j)) & 3) << shift;
+            }
+        }
+        out[12..16].copy_from_slice(&hi.to_le_bytes());
+    }
+}
+
+/// Row `j` of an interleaved group of eight rows (`blocks` interleaved blocks), step-ordered.
+pub fn row_of_x8_group(q4k: bool, group: &[u8], j: usize) -> Vec<u8> {
+    let (xb, bb) = (x8_block_bytes(q4k), x8_block_bytes(q4k) / 8);
+    let mut row = vec![0u8; group.len() / 8];
+    for (x8, out) in group.chunks_exact(xb).zip(row.chunks_exact_mut(bb)) {
+        row_of_x8(q4k, x8, j, out);
+    }
+    row
+}
+
+/// The reference dot products of an interleaved group of eight rows with one activation row:
+/// each row taken back out and multiplied as the step-ordered kernels do (bit for bit the same).
+pub fn dot_x8(q4k: bool, group: &[u8], a: &[Q8K]) -> [f32; 8] {
+    std::array::from_fn(|j| {
+        let row = row_of_x8_group(q4k, group, j);
+        if q4k { dot_q4k(&row, a) } else { dot_q6k(&row, a) }
+    })
+}

@@ -13,6 +13,7 @@ use std::arch::x86_64::*;
 use super::act::{finish_q8k, finish_q8x4, Q8x4, Q8K};
 use super::portable::spread_2bit_fields;
 
+
 pub fn has_avx2() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
 }
@@ -168,6 +169,143 @@ macro_rules! kernels {
                 acc = _mm256_add_ps(acc, _mm256_fnmadd_ps(dmn, _mm256_loadu_ps(y.ybs.as_ptr()), _mm256_mul_ps(dsc, dots)));
             }
             hsum(acc)
+        }
+
+        /// A Q4_K ×8 block's scales and mins of sub-block `s` for its eight rows, as i32 lanes.
+        #[target_feature(enable = $features)]
+        #[inline]
+        unsafe fn q4k_x8_scales(b: *const u8, s: usize) -> (__m256i, __m256i) {
+            let lo = (b.add(32 + 8 * s) as *const u64).read_unaligned();
+            let hs = (b.add(96 + 2 * s) as *const u16).read_unaligned() as u32;
+            let hm = (b.add(112 + 2 * s) as *const u16).read_unaligned() as u32;
+            let (hs, hm) = if $vnni {
+                (_pdep_u64(hs as u64, 0x3030_3030_3030_3030), _pdep_u64(hm as u64, 0x3030_3030_3030_3030))
+            } else {
+                (spread_2bit_fields(hs), spread_2bit_fields(hm))
+            };
+            let sc = _mm_cvtsi64_si128(((lo & 0x0F0F_0F0F_0F0F_0F0F) | hs) as i64);
+            let mn = _mm_cvtsi64_si128((((lo >> 4) & 0x0F0F_0F0F_0F0F_0F0F) | hm) as i64);
+            (_mm256_cvtepu8_epi32(sc), _mm256_cvtepu8_epi32(mn))
+        }
+
+        /// Dot products of one interleaved group of eight Q4_K rows (`nb` blocks of 1152 bytes,
+        /// see `portable::interleave_x8`) with `R` activation rows: lane j of result r is row j
+        /// against activation row r. Each 32-bit lane sums one row; the four activation bytes it
+        /// needs are broadcast. With VNNI the high nibbles are taken in place (16 × their value:
+        /// `vpdpbusd` does not saturate) and the 1/16 goes into the block scale.
+        #[target_feature(enable = $features)]
+        pub unsafe fn dot_q4k_x8<const R: usize>(w: *const u8, nb: usize, a: [&[Q8K]; R]) -> [__m256; R] {
+            let m4 = _mm256_set1_epi8(0xF);
+            let m4h = _mm256_set1_epi8(0xF0u8 as i8);
+            let hi_weight = if $vnni { 1.0 / 16.0 } else { 1.0 };
+            let mut acc = [_mm256_setzero_ps(); R];
+            for i in 0..nb {
+                let b = w.add(1152 * i);
+                let mut isum = [_mm256_setzero_si256(); R];
+                let mut fmin = [_mm256_setzero_ps(); R];
+                for s in 0..8 {
+                    let mut dl = [_mm256_setzero_si256(); R];
+                    let mut dh = [_mm256_setzero_si256(); R];
+                    for k in 0..4 {
+                        let bits = loadu(b.add(128 + 128 * s + 32 * k));
+                        let lo = _mm256_and_si256(bits, m4);
+                        let hi = if $vnni { _mm256_and_si256(bits, m4h) } else { _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4) };
+                        for r in 0..R {
+                            let q8 = a[r].get_unchecked(i).qs.as_ptr() as *const u8;
+                            let al = _mm256_set1_epi32((q8.add(32 * k + 4 * s) as *const i32).read_unaligned());
+                            let ah = _mm256_set1_epi32((q8.add(32 * (k + 4) + 4 * s) as *const i32).read_unaligned());
+                            dl[r] = dpbusd(dl[r], lo, al);
+                            dh[r] = dpbusd(dh[r], hi, ah);
+                        }
+                    }
+                    let (sc, mn) = q4k_x8_scales(b, s);
+                    let mn = _mm256_cvtepi32_ps(mn);
+                    for r in 0..R {
+                        let dots = if $vnni { _mm256_add_epi32(_mm256_slli_epi32(dl[r], 4), dh[r]) } else { _mm256_add_epi32(dl[r], dh[r]) };
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(dots, sc));
+                        fmin[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(*a[r].get_unchecked(i).ybs.get_unchecked(s)), fmin[r]);
+                    }
+                }
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(b as *const __m128i));
+                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(b.add(16) as *const __m128i));
+                for r in 0..R {
+                    let yd = _mm256_set1_ps(a[r].get_unchecked(i).d * hi_weight);
+                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+                    acc[r] = _mm256_fnmadd_ps(dmin, fmin[r], acc[r]);
+                }
+            }
+            acc
+        }
+
+        /// Dot products of one interleaved group of eight Q6_K rows (`nb` blocks of 1680 bytes)
+        /// with `R` activation rows, lane j of result r being row j against activation row r.
+        #[target_feature(enable = $features)]
+        pub unsafe fn dot_q6k_x8<const R: usize>(w: *const u8, nb: usize, a: [&[Q8K]; R]) -> [__m256; R] {
+            let m4 = _mm256_set1_epi8(0xF);
+            let m30 = _mm256_set1_epi8(0x30);
+            // Bits 2 j, 2 j + 1 of a high-bit byte, moved to bits 4 and 5.
+            let field = |h: __m256i, j: usize| -> __m256i {
+                let moved = match j {
+                    0 => _mm256_slli_epi16(h, 4),
+                    1 => _mm256_slli_epi16(h, 2),
+                    2 => h,
+                    _ => _mm256_srli_epi16(h, 2),
+                };
+                _mm256_and_si256(moved, m30)
+            };
+            let mut acc = [_mm256_setzero_ps(); R];
+            for i in 0..nb {
+                let b = w.add(1680 * i);
+                let mut isum = [_mm256_setzero_si256(); R];
+                for s in 0..8 {
+                    // Values are stored as q + 32: start from -32 × the activation sums.
+                    let mut dl = [_mm256_setzero_si256(); R];
+                    let mut dh = [_mm256_setzero_si256(); R];
+                    for r in 0..R {
+                        let y = a[r].get_unchecked(i);
+                        dl[r] = _mm256_set1_epi32(*y.nbl.get_unchecked(s));
+                        dh[r] = _mm256_set1_epi32(*y.nbh.get_unchecked(s));
+                    }
+                    let sb = b.add(144 + 192 * s);
+                    let qh = [loadu(sb.add(128)), loadu(sb.add(160))];
+                    for c in 0..4 {
+                        let bits = loadu(sb.add(32 * c));
+                        let h = qh[c % 2];
+                        let lo = _mm256_or_si256(_mm256_and_si256(bits, m4), field(h, c / 2));
+                        let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), field(h, c / 2 + 2));
+                        for r in 0..R {
+                            let q8 = a[r].get_unchecked(i).qs.as_ptr() as *const u8;
+                            let al = _mm256_set1_epi32((q8.add(32 * c + 4 * s) as *const i32).read_unaligned());
+                            let ah = _mm256_set1_epi32((q8.add(32 * (c + 4) + 4 * s) as *const i32).read_unaligned());
+                            dl[r] = dpbusd(dl[r], lo, al);
+                            dh[r] = dpbusd(dh[r], hi, ah);
+                        }
+                    }
+                    let sl = _mm256_cvtepi8_epi32(_mm_loadl_epi64(b.add(16 + 16 * s) as *const __m128i));
+                    let sh = _mm256_cvtepi8_epi32(_mm_loadl_epi64(b.add(24 + 16 * s) as *const __m128i));
+                    for r in 0..R {
+                        isum[r] = _mm256_add_epi32(isum[r], _mm256_add_epi32(_mm256_mullo_epi32(dl[r], sl), _mm256_mullo_epi32(dh[r], sh)));
+                    }
+                }
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(b as *const __m128i));
+                for r in 0..R {
+                    let yd = _mm256_set1_ps(a[r].get_unchecked(i).d);
+                    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, yd), _mm256_cvtepi32_ps(isum[r]), acc[r]);
+                }
+            }
+            acc
+        }
+
+        /// Decode over interleaved groups of eight rows (`group_bytes` each): one activation row.
+        #[target_feature(enable = $features)]
+        pub unsafe fn gemv_x8(q4k: bool, w: &[u8], group_bytes: usize, a: &[Q8K], out: &mut [f32]) {
+            let nb = group_bytes / if q4k { 1152 } else { 1680 };
+            assert!(a.len() >= nb && w.len() >= out.len() / 8 * group_bytes && out.len() % 8 == 0);
+            for (g, o) in out.chunks_exact_mut(8).enumerate() {
+                let p = w.as_ptr().add(g * group_bytes);
+                let [v] = if q4k { dot_q4k_x8::<1>(p, nb, [a]) } else { dot_q6k_x8::<1>(p, nb, [a]) };
+                _mm256_storeu_ps(o.as_mut_ptr(), v);
+            }
         }
 
         /// Dot products of one repacked Q6_K row with `R` Q8_K activation rows.
