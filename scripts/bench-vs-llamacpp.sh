@@ -76,7 +76,7 @@ const [work, threads, ...models] = process.argv.slice(2);
 const median = (xs) => { const v = [...xs].sort((a, b) => a - b); const n = v.length; return n % 2 ? v[(n - 1) / 2] : (v[n / 2 - 1] + v[n / 2]) / 2; };
 const f1 = (x) => x.toFixed(1).padStart(8);
 const f2 = (x) => x.toFixed(2).padStart(6);
-console.log(`threads=${threads}; medians over every run; ratio = shoal / llama.cpp; roofline = decode tok/s × weight bytes per token ÷ measured read bandwidth`);
+console.log(`threads=${threads}; medians over every run; ratio = shoal / llama.cpp; roofline = decode tok/s × weight bytes per token ÷ read bandwidth (shoal's: each run against the probes beside it)`);
 console.log("model                phase    shoal tok/s  llama.cpp tok/s   ratio  shoal roofline  llama roofline");
 for (const m of models) {
     const llamaLines = fs.readFileSync(`${work}/llama-${m}.txt`, "utf8").trim().split("\n");
@@ -84,9 +84,12 @@ for (const m of models) {
     const lpp = median(runs(/pp ([^;]*);/)), ltg = median(runs(/tg ([^\]]*)\]/));
     const ours = fs.readFileSync(`${work}/shoal-${m}.jsonl`, "utf8").trim().split("\n").map((l) => JSON.parse(l));
     const spp = median(ours.flatMap((o) => o.prefill_runs)), stg = median(ours.flatMap((o) => o.decode_runs));
-    const bw = median(ours.map((o) => o.mem_bw_bytes_s)), bytes = ours[0].bytes_per_token;
+    // Each decode run's roofline is set against the bandwidth probed beside it (`shoal bench`);
+    // llama.cpp's, run minutes apart, against the median of every probe.
+    const bw = median(ours.flatMap((o) => o.mem_bw_runs)), bytes = ours[0].bytes_per_token;
+    const sroof = median(ours.flatMap((o) => o.roofline_runs));
     console.log(`${m.padEnd(20)} prompt   ${f1(spp)}     ${f1(lpp)}        ${f2(spp / lpp)}`);
-    console.log(`${m.padEnd(20)} decode   ${f1(stg)}     ${f1(ltg)}        ${f2(stg / ltg)}          ${f2(stg * bytes / bw)}          ${f2(ltg * bytes / bw)}`);
+    console.log(`${m.padEnd(20)} decode   ${f1(stg)}     ${f1(ltg)}        ${f2(stg / ltg)}          ${f2(sroof)}          ${f2(ltg * bytes / bw)}`);
     console.log(`${"".padEnd(20)} (${(bytes / 1e6).toFixed(0)} MB weights per token, ${(bw / 1e9).toFixed(1)} GB/s read, shoal peak RSS ${(Math.max(...ours.map((o) => o.rss_bytes)) / 1e6).toFixed(0)} MB)`);
 }
 JS

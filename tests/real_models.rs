@@ -147,6 +147,9 @@ fn shoal_bench_reports_every_figure_as_json_and_refuses_a_prompt_past_the_contex
     }
     assert_eq!(report["prompt_tokens"], 32, "{report}");
     assert_eq!(report["gen_tokens"], 8, "{report}");
+    // One bandwidth probe before the decode run and one after it, and the run's own roofline.
+    assert_eq!(report["mem_bw_runs"].as_array().map(Vec::len), Some(2), "{report}");
+    assert_eq!(report["roofline_runs"].as_array().map(Vec::len), Some(1), "{report}");
     // The weights are read once per token, and the process holds at least them.
     let weights = std::fs::metadata(&model).unwrap().len();
     let per_token = report["bytes_per_token"].as_u64().expect("bytes_per_token");

@@ -324,7 +324,7 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
         println!("decode             {:8.1} tok/s  ({} tokens, median of {})", r.decode_tok_s, r.gen_tokens, r.decode_runs.len());
         println!("peak RSS           {:8.0} MB", r.rss_bytes as f64 / 1e6);
         if r.device == "cpu" {
-            println!("memory read        {:8.1} GB/s ({} threads)", r.mem_bw_bytes_s / 1e9, r.threads);
+            println!("memory read        {:8.1} GB/s ({} threads, median of {} probes beside the decode runs)", r.mem_bw_bytes_s / 1e9, r.threads, r.mem_bw_runs.len());
         } else {
             println!("device copy        {:8.1} GB/s (read + write)", r.mem_bw_bytes_s / 1e9);
         }

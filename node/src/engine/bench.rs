@@ -1,7 +1,9 @@
 //! `shoal bench`'s measurement: prompt processing and greedy decode throughput of a loaded model
 //! (median over repetitions, after a warm-up), peak RSS, the memory-read bandwidth measured with
 //! the same thread count (on a GPU: its device copy rate), and the decode roofline fraction (tok/s × weight bytes read per token ÷
-//! bandwidth). It runs the engine's own shard forward, the path `run` and `serve` use.
+//! bandwidth). The bandwidth is measured right before and after every decode repetition and each
+//! repetition is set against the higher of its two: on a shared VM the read rate moves by half
+//! from one minute to the next, and a single probe minutes away from the decode says little. It runs the engine's own shard forward, the path `run` and `serve` use.
 //! It does not compare with other engines (scripts/bench-vs-llamacpp.sh does) nor assert speeds.
 
 use std::time::{Duration, Instant};
@@ -37,10 +39,16 @@ pub struct BenchReport {
     pub prefill_runs: Vec<f64>,
     pub decode_runs: Vec<f64>,
     pub rss_bytes: u64,
+    /// The median of the bandwidth probes.
     pub mem_bw_bytes_s: f64,
+    /// Every probe: one before the first decode repetition and one after each.
+    pub mem_bw_runs: Vec<f64>,
     /// Weight bytes a decode step reads: every layer's matrices and vectors and the LM head.
     pub bytes_per_token: u64,
+    /// The median of `roofline_runs`.
     pub roofline_fraction: f64,
+    /// Each decode repetition's tok/s × bytes per token ÷ the higher probe beside it.
+    pub roofline_runs: Vec<f64>,
 }
 
 /// The text the prompt is cut from (the same filler llama.cpp's side of the comparison uses).
@@ -85,6 +93,17 @@ pub fn run(model: &LoadedModel, opts: &BenchOptions) -> Result<BenchReport> {
         prefill_runs.push(prompt.len() as f64 / t0.elapsed().as_secs_f64());
     }
 
+    // Taken before the bandwidth probes, whose buffer is not the model's memory (decode's own
+    // buffers are smaller than the prompt's, measured above).
+    let rss_bytes = peak_rss_bytes().unwrap_or(0);
+    // The roofline's ceiling: CPU memory read over the same threads, or the GPU's copy rate.
+    let probe = || -> Result<f64> {
+        Ok(match &opts.device {
+            Some(d) if d.is_gpu() => super::probe::gpu_copy_bandwidth(d, 1 << 30, Duration::from_millis(300))?,
+            _ => read_bandwidth(opts.threads, 256 << 20, Duration::from_millis(300)),
+        })
+    };
+    let mut mem_bw_runs = vec![probe()?];
     let mut decode_runs = Vec::new();
     for _ in 0..opts.repetitions {
         let mut cache = shard.new_cache();
@@ -94,17 +113,10 @@ pub fn run(model: &LoadedModel, opts: &BenchOptions) -> Result<BenchReport> {
             next = greedy(shard.forward(ShardInput::Tokens(&[next]), &mut cache, false)?)?;
         }
         decode_runs.push(opts.gen_tokens as f64 / t0.elapsed().as_secs_f64());
+        mem_bw_runs.push(probe()?);
     }
-
-    // Taken before the bandwidth probe below, whose buffer is not the model's memory.
-    let rss_bytes = peak_rss_bytes().unwrap_or(0);
-    // The roofline's ceiling: CPU memory read over the same threads, or the GPU's copy rate.
-    let mem_bw = match &opts.device {
-        Some(d) if d.is_gpu() => super::probe::gpu_copy_bandwidth(d, 1 << 30, Duration::from_millis(600))?,
-        _ => read_bandwidth(opts.threads, 256 << 20, Duration::from_millis(600)),
-    };
-    let decode = median(&decode_runs);
     let bytes = shard.decode_bytes();
+    let roofline_runs: Vec<f64> = decode_runs.iter().zip(mem_bw_runs.windows(2)).map(|(tok_s, bw)| tok_s * bytes as f64 / bw[0].max(bw[1])).collect();
     Ok(BenchReport {
         model: model.name.clone(),
         device: opts.device.as_ref().map_or_else(|| "cpu".into(), |d| d.label()),
@@ -112,13 +124,15 @@ pub fn run(model: &LoadedModel, opts: &BenchOptions) -> Result<BenchReport> {
         prompt_tokens: prompt.len(),
         gen_tokens: opts.gen_tokens,
         prefill_tok_s: median(&prefill_runs),
-        decode_tok_s: decode,
+        decode_tok_s: median(&decode_runs),
         prefill_runs,
         decode_runs,
         rss_bytes,
-        mem_bw_bytes_s: mem_bw,
+        mem_bw_bytes_s: median(&mem_bw_runs),
+        mem_bw_runs,
         bytes_per_token: bytes,
-        roofline_fraction: decode * bytes as f64 / mem_bw,
+        roofline_fraction: median(&roofline_runs),
+        roofline_runs,
     })
 }
 
