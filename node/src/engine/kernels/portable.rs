@@ -375,12 +375,21 @@ fn x8_place(q4k: bool, j: usize, o: usize) -> usize {
     }
 }
 
+/// The byte ranges of a step-ordered block that move whole: single bytes in the headers, and
+/// the 4-byte groups of values (which stay together).
+fn x8_moves(q4k: bool) -> impl Iterator<Item = (usize, usize)> {
+    let (header, bb) = if q4k { (12, 144) } else { (0, 192) };
+    let groups = (if q4k { 16 } else { 0 }..bb).step_by(4).map(|o| (o, 4));
+    let tail = if q4k { 0..0 } else { 192..210 };
+    (0..header).chain(tail).map(|o| (o, 1)).chain(groups)
+}
+
 /// Interleaves eight step-ordered blocks (one per row) into `out`.
 pub fn interleave_x8(q4k: bool, rows: [&[u8]; 8], out: &mut [u8]) {
-    let bb = if q4k { 144 } else { 210 };
     for (j, b) in rows.iter().enumerate() {
-        for o in (0..bb).filter(|&o| !(q4k && (12..16).contains(&o))) {
-            out[x8_place(q4k, j, o)] = b[o];
+        for (o, n) in x8_moves(q4k) {
+            let at = x8_place(q4k, j, o);
+            out[at..at + n].copy_from_slice(&b[o..o + n]);
         }
     }
     if q4k {
@@ -401,9 +410,9 @@ pub fn interleave_x8(q4k: bool, rows: [&[u8]; 8], out: &mut [u8]) {
 
 /// Row `j`'s step-ordered block, taken back out of an interleaved block.
 pub fn row_of_x8(q4k: bool, x8: &[u8], j: usize, out: &mut [u8]) {
-    let bb = if q4k { 144 } else { 210 };
-    for o in (0..bb).filter(|&o| !(q4k && (12..16).contains(&o))) {
-        out[o] = x8[x8_place(q4k, j, o)];
+    for (o, n) in x8_moves(q4k) {
+        let at = x8_place(q4k, j, o);
+        out[o..o + n].copy_from_slice(&x8[at..at + n]);
     }
     if q4k {
         let mut hi = 0u32;
