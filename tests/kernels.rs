@@ -58,7 +58,7 @@ fn layouts(dtype: GgmlDType) -> Vec<(usize, RowLayout)> {
 
 fn quantized_in(dtype: GgmlDType, rows: usize, cols: usize, seed: u64, layout: RowLayout) -> (QTensor, QMatrix) {
     let (q, _) = quantized(dtype, rows, cols, seed);
-    let m = QMatrix::from_qtensor_in(&q, layout).unwrap().expect("a supported format");
+    let m = QMatrix::from_qtensor_in(&q, Some(layout)).unwrap().expect("a supported format");
     assert_eq!(m.layout, layout);
     (q, m)
 }

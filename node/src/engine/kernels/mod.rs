@@ -239,21 +239,19 @@ pub enum KernelError {
 impl QMatrix {
     /// Copies a GGUF tensor's blocks; `None` when its format or shape is not one these kernels take.
     pub fn from_qtensor(q: &QTensor) -> Result<Option<QMatrix>, KernelError> {
+        QMatrix::from_qtensor_in(q, None)
+    }
+
+    /// As `from_qtensor`, in a given layout rather than this machine's preferred one (tests compare
+    /// layouts; `Interleaved8` needs k-quant rows in whole groups of eight).
+    pub fn from_qtensor_in(q: &QTensor, layout: Option<RowLayout>) -> Result<Option<QMatrix>, KernelError> {
         let Some(ty) = QType::from_ggml(q.dtype()) else { return Ok(None) };
         let Ok((rows, cols)) = q.shape().dims2() else { return Ok(None) };
         if cols % ty.group_len() != 0 {
             return Ok(None);
         }
         let data = q.data().map_err(|e| KernelError::Data(e.to_string()))?;
-        QMatrix::repacked(ty, rows, cols, WeightBytes::copy_of(&data), RowLayout::preferred(ty, rows)).map(Some)
-    }
-
-    /// As `from_qtensor`, in a given layout (tests compare layouts; `Interleaved8` needs k-quant
-    /// rows in whole groups of eight).
-    pub fn from_qtensor_in(q: &QTensor, layout: RowLayout) -> Result<Option<QMatrix>, KernelError> {
-        let Some(ty) = QType::from_ggml(q.dtype()) else { return Ok(None) };
-        let Ok((rows, cols)) = q.shape().dims2() else { return Ok(None) };
-        let data = q.data().map_err(|e| KernelError::Data(e.to_string()))?;
+        let layout = layout.unwrap_or_else(|| RowLayout::preferred(ty, rows));
         QMatrix::repacked(ty, rows, cols, WeightBytes::copy_of(&data), layout).map(Some)
     }
 
@@ -466,6 +464,8 @@ fn dot_group<const R: usize>(w: &QMatrix, g: usize, a: &[Q8K], a_rows: [usize; R
             return lanes.map(|v| unsafe { std::mem::transmute::<std::arch::x86_64::__m256, [f32; 8]>(v) });
         }
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
     ar.map(|a| portable::dot_x8(q4k, group, a))
 }
 
