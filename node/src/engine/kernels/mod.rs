@@ -2,7 +2,8 @@
 //! stored block format and multiplies it with f32 activations by quantizing them to 8 bits and
 //! taking integer dot products (AVX-512 or AVX2 on x86-64 when the CPU has it, else portable Rust), spread
 //! over the kernel `pool`. Decode takes one activation row per weight row; prompts take up to four
-//! rows per unpacked weight block. Formats: Q4_K, Q6_K (× Q8_K) and Q8_0, Q5_0 (× Q8_0).
+//! rows per unpacked weight block. On x86-64, k-quant rows are stored interleaved by eight
+//! (`RowLayout`). Formats: Q4_K, Q6_K (× Q8_K) and Q8_0, Q5_0 (× Q8_0).
 //! It does not handle f32/f16 or other GGUF formats: those stay on candle's `QMatMul`.
 
 pub mod act;

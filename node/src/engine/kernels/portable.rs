@@ -1,4 +1,5 @@
-//! Portable kernels: GGUF block decoding, the load-time repacking of blocks into step order,
+//! Portable kernels: GGUF block decoding, the load-time repacking of blocks into step order (and
+//! the eight-row interleaving of k-quant rows for the x86 kernels),
 //! row dequantization and the integer dot products of each (repacked) weight format with
 //! quantized activations, in plain Rust written so that the compiler
 //! vectorizes it (this is the path on CPUs without a hand-written one, NEON included).

@@ -5,8 +5,10 @@
 //! (`avx512`, with BMI2), where the compiler gets 32 vector registers and fuses multiply-adds (vpdpwssd).
 //! The weights are in the step order `portable.rs` repacks them into at load, so each 32-bit lane
 //! of an integer dot product (`vpdpbusd` with VNNI, else `maddubs` + `madd`) sums one sub-block
-//! and the scales apply per lane. Nothing here allocates or branches on data; every function is
-//! checked against `portable.rs` in the tests.
+//! and the scales apply per lane. The `_x8` kernels take Q4_K / Q6_K rows interleaved by eight
+//! (`portable::interleave_x8`): there each lane is one row and the activation bytes are broadcast.
+//! Nothing here allocates or branches on data; every function is checked against `portable.rs`
+//! in the tests.
 
 use std::arch::x86_64::*;
 
