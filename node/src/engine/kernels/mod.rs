@@ -564,35 +564,20 @@ pub fn matmul_many(mats: &[&QMatrix], x: &[f32], m: usize, outs: &mut [&mut [f32
         // Activation rows in groups of 4 per unpacked weight block (8 measured no faster, even with
         // AVX-512's 32 registers); the tail runs with the group size it needs.
         let group = if isa == Isa::Portable { 1 } else { 4 };
-        if let (RowLayout::Interleaved8, Acts::K(acts)) = (w.layout, acts) {
-            macro_rules! groups {
-                ($n:literal, $a:expr) => {{
-                    let a = $a;
-                    for g in r0 / 8..r1 / 8 {
-                        let v = dot_group::<$n>(w, g, acts, std::array::from_fn(|j| a + j), isa);
-                        (0..$n).for_each(|j| (0..8).for_each(|l| put(a + j, 8 * g + l, v[j][l])));
-                    }
-                }};
-            }
-            let mut a = 0;
-            while a < m {
-                let n = (m - a).min(group);
-                match n {
-                    4 => groups!(4, a),
-                    3 => groups!(3, a),
-                    2 => groups!(2, a),
-                    _ => groups!(1, a),
-                }
-                a += n;
-            }
-            return;
-        }
+        // `n` activation rows from `a` against every row of the task (eight at a time when interleaved).
         macro_rules! rows {
             ($n:literal, $a:expr) => {{
                 let a = $a;
-                for r in r0..r1 {
-                    let v = dot_rows::<$n>(w, r, acts, std::array::from_fn(|j| a + j), isa);
-                    (0..$n).for_each(|j| put(a + j, r, v[j]));
+                if let (RowLayout::Interleaved8, Acts::K(k)) = (w.layout, acts) {
+                    for g in r0 / 8..r1 / 8 {
+                        let v = dot_group::<$n>(w, g, k, std::array::from_fn(|j| a + j), isa);
+                        (0..$n).for_each(|j| (0..8).for_each(|l| put(a + j, 8 * g + l, v[j][l])));
+                    }
+                } else {
+                    for r in r0..r1 {
+                        let v = dot_rows::<$n>(w, r, acts, std::array::from_fn(|j| a + j), isa);
+                        (0..$n).for_each(|j| put(a + j, r, v[j]));
+                    }
                 }
             }};
         }
@@ -600,10 +585,6 @@ pub fn matmul_many(mats: &[&QMatrix], x: &[f32], m: usize, outs: &mut [&mut [f32
         while a < m {
             let n = (m - a).min(group);
             match n {
-                8 => rows!(8, a),
-                7 => rows!(7, a),
-                6 => rows!(6, a),
-                5 => rows!(5, a),
                 4 => rows!(4, a),
                 3 => rows!(3, a),
                 2 => rows!(2, a),
