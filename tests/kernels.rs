@@ -4,7 +4,8 @@
 //! AVX-512 or NEON where the CPU has them) agrees with the portable one for 1..9 activation rows, and the
 //! result stays within the 8-bit activation error of the f32 product of the dequantized matrix.
 //! Activation quantization is bit-identical across implementations; the pool runs each task once;
-//! the fused MLP activation agrees with candle's SiLU / GELU ops.
+//! the fused MLP activation agrees with candle's SiLU / GELU ops; decode attention agrees with a plain
+//! softmax over the cache, whatever the pool size.
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
@@ -207,6 +208,46 @@ fn the_gated_activation_agrees_with_candles_ops() {
         // Relative to the value, absolute near zero (where candle's `1 + tanh` cancels).
         for (a, b) in ours.iter().zip(&theirs) {
             assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "{act:?}: {a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn decode_attention_agrees_with_a_plain_softmax_over_the_cache() {
+    use shoal::engine::kernels::attend::{attend_one, KvView};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let (d, capacity) = (64, 50);
+    // Grouped-query shapes (one to eight query heads per KV head), a window of keys that starts
+    // past zero, with and without Gemma's soft-cap, on pools that split a KV head's heads.
+    for (heads, kv_heads, keys, softcap) in [(12, 2, 0..37, None), (4, 1, 5..50, Some(5.0f32)), (8, 8, 0..1, None), (16, 2, 3..29, Some(30.0))] {
+        let q = random(&mut rng, heads * d, 1.0);
+        let k = random(&mut rng, kv_heads * capacity * d, 1.0);
+        let v = random(&mut rng, kv_heads * capacity * d, 1.0);
+        let scale = 0.125f32;
+        let mut expected = vec![0f64; heads * d];
+        for h in 0..heads {
+            let base = h / (heads / kv_heads) * capacity * d;
+            let scores: Vec<f64> = keys
+                .clone()
+                .map(|j| {
+                    let s = (0..d).map(|i| q[h * d + i] as f64 * k[base + j * d + i] as f64).sum::<f64>() * scale as f64;
+                    softcap.map_or(s, |c| (s / c as f64).tanh() * c as f64)
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+            for (s, j) in scores.iter().zip(keys.clone()) {
+                for i in 0..d {
+                    expected[h * d + i] += (s - max).exp() / sum * v[base + j * d + i] as f64;
+                }
+            }
+        }
+        for threads in [1, 2, 3] {
+            let mut out = vec![f32::NAN; heads * d];
+            attend_one(&q, heads, kv_heads, d, &KvView { k: &k, v: &v, capacity }, keys.clone(), scale, softcap, &mut out, &Pool::new(threads));
+            for (i, (a, b)) in out.iter().zip(&expected).enumerate() {
+                assert!((*a as f64 - b).abs() < 1e-5, "{heads}/{kv_heads} heads, {threads} threads, output {i}: {a} vs {b}");
+            }
         }
     }
 }

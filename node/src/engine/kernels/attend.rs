@@ -1,7 +1,8 @@
 //! Attention of one query position (decode) over a KV cache read in place: per query head, the
 //! scaled dot products with every visible key, an optional tanh soft-cap, softmax, and the
-//! probability-weighted sum of values, with heads shared out over the kernel `pool`. Grouped-query
-//! heads read their KV head directly, so nothing is copied or expanded.
+//! probability-weighted sum of values. A task is a KV head with a run of the query heads that
+//! share it, so each cache row is read once per run and nothing is copied or expanded; tasks are
+//! shared out over the kernel `pool`, and the loops vectorize with AVX2 where the CPU has it.
 //! It does not mask (one query sees every key it is given) and does not handle prompts: those
 //! go through candle's batched matmuls.
 
@@ -19,37 +20,90 @@ pub struct KvView<'a> {
 
 /// `out[h * d .. (h + 1) * d]` = attention of query head `h` (`q` is `heads × d`) over positions
 /// `keys` of its KV head (query heads `h` sharing KV head `h / (heads / kv_heads)`).
+///
+/// A task is one KV head with a run of the query heads that share it: each key and value row is
+/// read once for the whole run (grouped-query models share one KV head among up to eight query
+/// heads), and runs are cut short enough to give every pool thread about two tasks.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_one(q: &[f32], heads: usize, kv_heads: usize, d: usize, kv: &KvView<'_>, keys: Range<usize>, scale: f32, softcap: Option<f32>, out: &mut [f32], pool: &Pool) {
-    assert!(heads % kv_heads.max(1) == 0 && q.len() == heads * d && out.len() == heads * d);
+    assert!(kv_heads > 0 && heads % kv_heads == 0 && q.len() == heads * d && out.len() == heads * d);
     assert!(keys.end <= kv.capacity && kv.k.len() >= kv_heads * kv.capacity * d && kv.v.len() >= kv_heads * kv.capacity * d);
     let rep = heads / kv_heads;
+    let runs_per_kv = (2 * pool.threads()).div_ceil(kv_heads).clamp(1, rep);
+    let run = rep.div_ceil(runs_per_kv);
+    let runs_per_kv = rep.div_ceil(run);
     let out_ptr = SendPtr(out.as_mut_ptr());
-    let task = |h: usize| {
-        let kvh = h / rep;
-        let qh = &q[h * d..(h + 1) * d];
+    let task = |t: usize| {
+        let kvh = t / runs_per_kv;
+        let h0 = kvh * rep + (t % runs_per_kv) * run;
+        let h1 = (h0 + run).min((kvh + 1) * rep);
+        // SAFETY: each task writes only its own heads' outputs `h0 * d .. h1 * d`; `out` outlives the job.
+        let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(h0 * d), (h1 - h0) * d) };
         let base = kvh * kv.capacity * d;
-        let mut s: Vec<f32> = keys.clone().map(|j| dot(qh, &kv.k[base + j * d..base + (j + 1) * d]) * scale).collect();
-        if let Some(cap) = softcap {
-            s.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap);
+        let (k, v) = (&kv.k[base..base + kv.capacity * d], &kv.v[base..base + kv.capacity * d]);
+        let run = Run { q: &q[h0 * d..h1 * d], k, v, d, keys: keys.clone(), scale, softcap };
+        #[cfg(target_arch = "x86_64")]
+        if super::x86::has_avx2() {
+            // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+            return unsafe { run.attend_avx2(o) };
         }
-        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        s.iter_mut().for_each(|x| *x = (*x - max).exp());
-        let sum: f32 = s.iter().sum();
-        s.iter_mut().for_each(|x| *x /= sum);
-        // SAFETY: each task writes only its own head's `d` outputs; `out` outlives the job.
-        let o = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(h * d), d) };
-        o.iter_mut().for_each(|x| *x = 0.0);
-        for (p, j) in s.iter().zip(keys.clone()) {
-            let vj = &kv.v[base + j * d..base + (j + 1) * d];
-            o.iter_mut().zip(vj).for_each(|(o, v)| *o += p * v);
-        }
+        run.attend(o);
     };
-    pool.run(heads, &task);
+    pool.run(kv_heads * runs_per_kv, &task);
+}
+
+/// Query heads sharing one KV head (`q` is their rows, `k` and `v` that head's cache rows).
+struct Run<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    d: usize,
+    keys: Range<usize>,
+    scale: f32,
+    softcap: Option<f32>,
+}
+
+impl Run<'_> {
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn attend_avx2(&self, out: &mut [f32]) {
+        self.attend(out)
+    }
+
+    /// The run's outputs (`heads × d`): every key and value row is read once for all its heads.
+    #[inline(always)]
+    fn attend(&self, out: &mut [f32]) {
+        let (d, n) = (self.d, self.keys.len());
+        // Scores, then probabilities, of each head: row `h`, `n` wide.
+        let mut p = vec![0f32; out.len() / d * n];
+        for (i, j) in self.keys.clone().enumerate() {
+            let kj = &self.k[j * d..(j + 1) * d];
+            for (h, qh) in self.q.chunks_exact(d).enumerate() {
+                p[h * n + i] = dot(qh, kj) * self.scale;
+            }
+        }
+        for s in p.chunks_exact_mut(n.max(1)) {
+            if let Some(cap) = self.softcap {
+                s.iter_mut().for_each(|x| *x = (*x / cap).tanh() * cap);
+            }
+            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            s.iter_mut().for_each(|x| *x = (*x - max).exp());
+            let sum: f32 = s.iter().sum();
+            s.iter_mut().for_each(|x| *x /= sum);
+        }
+        out.iter_mut().for_each(|x| *x = 0.0);
+        for (i, j) in self.keys.clone().enumerate() {
+            let vj = &self.v[j * d..(j + 1) * d];
+            for (h, oh) in out.chunks_exact_mut(d).enumerate() {
+                let w = p[h * n + i];
+                oh.iter_mut().zip(vj).for_each(|(o, v)| *o += w * v);
+            }
+        }
+    }
 }
 
 /// A dot product in eight independent lanes, so that it vectorizes.
-#[inline]
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));

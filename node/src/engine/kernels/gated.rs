@@ -1,5 +1,5 @@
 //! The gated MLP's elementwise step on the CPU, `act(gate) * up`, in one pass over the kernel
-//! `pool` (chunks shared out like the matmuls' tasks). Both activations are written as
+//! `pool` (one even share per thread). Both activations are written as
 //! `v · sigmoid(c)`: SiLU is `v / (1 + e^-v)` and tanh-approximated GELU is the same identity
 //! `0.5 v (1 + tanh z) = v / (1 + e^-2z)`, with `e^x` a branch-free polynomial (Cephes' expf,
 //! within 2 ulp) so that the loop vectorizes (AVX2 when the CPU has it). Results differ from
@@ -15,21 +15,23 @@ pub enum Gate {
     GeluTanh,
 }
 
-/// Values per pool task: large enough to amortize a task claim, small enough to balance.
-const CHUNK: usize = 8192;
+/// Fewest values per pool task: below this a task claim costs more than it saves.
+const MIN_CHUNK: usize = 2048;
 
 /// `out[i] = act(gate[i]) * up[i]`.
 pub fn gated(act: Gate, gate: &[f32], up: &[f32], out: &mut [f32], pool: &Pool) {
     assert!(gate.len() == up.len() && up.len() == out.len());
     let n = out.len();
+    // One even share per thread (whole vectors of 16), unless that would be tiny.
+    let chunk = n.div_ceil(pool.threads()).next_multiple_of(16).max(MIN_CHUNK);
     let ptr = SendPtr(out.as_mut_ptr());
     let task = |t: usize| {
-        let (a, b) = (t * CHUNK, ((t + 1) * CHUNK).min(n));
+        let (a, b) = (t * chunk, ((t + 1) * chunk).min(n));
         // SAFETY: tasks write disjoint ranges of `out`, which outlives the job.
         let o = unsafe { std::slice::from_raw_parts_mut(ptr.get().add(a), b - a) };
         gated_slice(act, &gate[a..b], &up[a..b], o);
     };
-    let tasks = n.div_ceil(CHUNK);
+    let tasks = n.div_ceil(chunk);
     if tasks <= 1 {
         (0..tasks).for_each(task);
     } else {
