@@ -29,6 +29,7 @@ pub fn attend_one(q: &[f32], heads: usize, kv_heads: usize, d: usize, kv: &KvVie
     assert!(kv_heads > 0 && heads % kv_heads == 0 && q.len() == heads * d && out.len() == heads * d);
     assert!(keys.end <= kv.capacity && kv.k.len() >= kv_heads * kv.capacity * d && kv.v.len() >= kv_heads * kv.capacity * d);
     let rep = heads / kv_heads;
+    // About two tasks per thread; the count is taken again from the run length so none is empty.
     let runs_per_kv = (2 * pool.threads()).div_ceil(kv_heads).clamp(1, rep);
     let run = rep.div_ceil(runs_per_kv);
     let runs_per_kv = rep.div_ceil(run);

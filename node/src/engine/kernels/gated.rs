@@ -1,5 +1,5 @@
 //! The gated MLP's elementwise step on the CPU, `act(gate) * up`, in one pass over the kernel
-//! `pool` (one even share per thread). Both activations are written as
+//! `pool` (an even share per thread for one row). Both activations are written as
 //! `v · sigmoid(c)`: SiLU is `v / (1 + e^-v)` and tanh-approximated GELU is the same identity
 //! `0.5 v (1 + tanh z) = v / (1 + e^-2z)`, with `e^x` a branch-free polynomial (Cephes' expf,
 //! within 2 ulp) so that the loop vectorizes (AVX2 when the CPU has it). Results differ from
@@ -15,15 +15,17 @@ pub enum Gate {
     GeluTanh,
 }
 
-/// Fewest values per pool task: below this a task claim costs more than it saves.
+/// Fewest values per pool task (below this a task claim costs more than it saves), and most (a
+/// prompt's many rows stay in tasks small enough to balance between threads).
 const MIN_CHUNK: usize = 2048;
+const MAX_CHUNK: usize = 65536;
 
 /// `out[i] = act(gate[i]) * up[i]`.
 pub fn gated(act: Gate, gate: &[f32], up: &[f32], out: &mut [f32], pool: &Pool) {
     assert!(gate.len() == up.len() && up.len() == out.len());
     let n = out.len();
-    // One even share per thread (whole vectors of 16), unless that would be tiny.
-    let chunk = n.div_ceil(pool.threads()).next_multiple_of(16).max(MIN_CHUNK);
+    // One even share per thread (whole vectors of 16), within the bounds above.
+    let chunk = n.div_ceil(pool.threads()).next_multiple_of(16).clamp(MIN_CHUNK, MAX_CHUNK);
     let ptr = SendPtr(out.as_mut_ptr());
     let task = |t: usize| {
         let (a, b) = (t * chunk, ((t + 1) * chunk).min(n));
