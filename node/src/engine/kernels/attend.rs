@@ -26,7 +26,7 @@ pub struct KvView<'a> {
 /// heads), and runs are cut short enough to give every pool thread about two tasks.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_one(q: &[f32], heads: usize, kv_heads: usize, d: usize, kv: &KvView<'_>, keys: Range<usize>, scale: f32, softcap: Option<f32>, out: &mut [f32], pool: &Pool) {
-    assert!(kv_heads > 0 && heads % kv_heads == 0 && q.len() == heads * d && out.len() == heads * d);
+    assert!(kv_heads > 0 && heads.is_multiple_of(kv_heads) && q.len() == heads * d && out.len() == heads * d);
     assert!(keys.end <= kv.capacity && kv.k.len() >= kv_heads * kv.capacity * d && kv.v.len() >= kv_heads * kv.capacity * d);
     let rep = heads / kv_heads;
     // About two tasks per thread; the count is taken again from the run length so none is empty.

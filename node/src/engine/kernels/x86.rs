@@ -173,6 +173,22 @@ macro_rules! kernels {
             hsum(acc)
         }
 
+        /// One step of an interleaved block for each activation row: the weight lanes `lo` and
+        /// `hi` (step `c` of sub-block `s`, eight rows) against the four activation bytes of that
+        /// sub-block in the block's two 128-value halves, broadcast, into `dl` and `dh`.
+        #[target_feature(enable = $features)]
+        #[inline]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn dot_x8_step<const R: usize>(dl: &mut [__m256i; R], dh: &mut [__m256i; R], lo: __m256i, hi: __m256i, a: [&[Q8K]; R], i: usize, c: usize, s: usize) {
+            for r in 0..R {
+                let q8 = a[r].get_unchecked(i).qs.as_ptr() as *const u8;
+                let al = _mm256_set1_epi32((q8.add(32 * c + 4 * s) as *const i32).read_unaligned());
+                let ah = _mm256_set1_epi32((q8.add(32 * (c + 4) + 4 * s) as *const i32).read_unaligned());
+                dl[r] = dpbusd(dl[r], lo, al);
+                dh[r] = dpbusd(dh[r], hi, ah);
+            }
+        }
+
         /// A Q4_K ×8 block's scales and mins of sub-block `s` for its eight rows, as i32 lanes.
         #[target_feature(enable = $features)]
         #[inline]
@@ -212,13 +228,7 @@ macro_rules! kernels {
                         let bits = loadu(b.add(128 + 128 * s + 32 * k));
                         let lo = _mm256_and_si256(bits, m4);
                         let hi = if $vnni { _mm256_and_si256(bits, m4h) } else { _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4) };
-                        for r in 0..R {
-                            let q8 = a[r].get_unchecked(i).qs.as_ptr() as *const u8;
-                            let al = _mm256_set1_epi32((q8.add(32 * k + 4 * s) as *const i32).read_unaligned());
-                            let ah = _mm256_set1_epi32((q8.add(32 * (k + 4) + 4 * s) as *const i32).read_unaligned());
-                            dl[r] = dpbusd(dl[r], lo, al);
-                            dh[r] = dpbusd(dh[r], hi, ah);
-                        }
+                        dot_x8_step(&mut dl, &mut dh, lo, hi, a, i, k, s);
                     }
                     let (sc, mn) = q4k_x8_scales(b, s);
                     let mn = _mm256_cvtepi32_ps(mn);
@@ -275,13 +285,7 @@ macro_rules! kernels {
                         let h = qh[c % 2];
                         let lo = _mm256_or_si256(_mm256_and_si256(bits, m4), field(h, c / 2));
                         let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits, 4), m4), field(h, c / 2 + 2));
-                        for r in 0..R {
-                            let q8 = a[r].get_unchecked(i).qs.as_ptr() as *const u8;
-                            let al = _mm256_set1_epi32((q8.add(32 * c + 4 * s) as *const i32).read_unaligned());
-                            let ah = _mm256_set1_epi32((q8.add(32 * (c + 4) + 4 * s) as *const i32).read_unaligned());
-                            dl[r] = dpbusd(dl[r], lo, al);
-                            dh[r] = dpbusd(dh[r], hi, ah);
-                        }
+                        dot_x8_step(&mut dl, &mut dh, lo, hi, a, i, c, s);
                     }
                     let sl = _mm256_cvtepi8_epi32(_mm_loadl_epi64(b.add(16 + 16 * s) as *const __m128i));
                     let sh = _mm256_cvtepi8_epi32(_mm_loadl_epi64(b.add(24 + 16 * s) as *const __m128i));
