@@ -5,7 +5,14 @@
 //!     rounding (1% of the logit range for f16, 8% for bf16) for half weights, which compute in
 //!     their own type on a GPU, with every greedy token equal;
 //!   device_check same <model> [--device cuda] [--tokens 16] [--prompt TEXT]
-//!     greedy tokens on the device equal those on the CPU.
+//!     greedy tokens on the device equal those on the CPU;
+//!   device_check fused <model> [--device cuda] [--tokens 32] [--prompt TEXT]
+//!     the fused one-token GPU step (`cuda_decode`) against candle's ops on the same device, fed
+//!     the same tokens: largest logit difference (within 2% of the logit range) and top-1 ids;
+//!     quantized weights are compared with candle's f32-activation kernels;
+//!   device_check time <model> [--device cuda] [--tokens 128]
+//!     milliseconds per decode token, waiting for each token's id (as generation does) and
+//!     queueing them all with one wait at the end, fused and with candle's ops (a diagnostic).
 //! Prints one line per check and exits non-zero on any failure. Not a timing tool.
 
 use std::path::{Path, PathBuf};
@@ -128,7 +135,69 @@ fn main() -> anyhow::Result<()> {
             }
             failures += usize::from(equal < n);
         }
-        _ => bail!("usage: device_check fixtures <dir> | same <model> [--device cuda] [--tokens N] [--prompt TEXT]"),
+        (Some("fused"), Some(model)) => {
+            let n: usize = flag(&args, "--tokens").map(|t| t.parse()).transpose()?.unwrap_or(32);
+            let prompt = flag(&args, "--prompt").unwrap_or_else(|| "The capital of France is".into());
+            let m = LoadedModel::load(model.as_ref(), &LoadOptions { device: device.clone(), ..LoadOptions::default() })?;
+            if !m.shard.fused_decode() {
+                bail!("{model}: no fused decode step on this device (see the log for why)");
+            }
+            let ids = m.text.encode_prompt(&prompt)?;
+            // The fused step picks the tokens; candle's ops are fed the same ones.
+            let run = |fused: bool, feed: Option<&[u32]>| -> anyhow::Result<(Vec<u32>, Vec<Vec<f32>>)> {
+                m.shard.set_fused_decode(fused);
+                let mut cache = m.shard.new_cache();
+                let mut l = logits(&m.shard, &ids, &mut cache, false)?.pop().context("no logits")?;
+                let (mut toks, mut all) = (vec![], vec![]);
+                for i in 0..n {
+                    let next = feed.map_or_else(|| argmax(&l), |f| f[i]);
+                    toks.push(next);
+                    l = logits(&m.shard, &[next], &mut cache, false)?.remove(0);
+                    all.push(l.clone());
+                }
+                Ok((toks, all))
+            };
+            // candle's reference multiplies quantized weights by f32 activations (its DMMV kernels,
+            // not the 8-bit-activation MMVQ ones), as the fused step does.
+            #[cfg(feature = "cuda")]
+            candle_core::quantized::cuda::set_force_dmmv(true);
+            let (toks, fused) = run(true, None)?;
+            let (_, plain) = run(false, Some(&toks))?;
+            m.shard.set_fused_decode(true);
+            #[cfg(feature = "cuda")]
+            candle_core::quantized::cuda::set_force_dmmv(false);
+            let mut worst = (0f32, 0f32);
+            let mut same_top = 0;
+            for (a, b) in fused.iter().zip(&plain) {
+                let g = gap(a, b);
+                worst = (worst.0.max(g.0), worst.1.max(g.1));
+                same_top += usize::from(argmax(a) == argmax(b));
+            }
+            let ok = worst.1 <= 2e-2;
+            println!("{} {model}: fused vs candle decode over {n} steps: max |Δlogit| {:.3e} ({:.2e} of range), top-1 equal {same_top}/{n}", if ok { "PASS" } else { "FAIL" }, worst.0, worst.1);
+            failures += usize::from(!ok);
+        }
+        (Some("time"), Some(model)) => {
+            let n: usize = flag(&args, "--tokens").map(|t| t.parse()).transpose()?.unwrap_or(128);
+            let m = LoadedModel::load(model.as_ref(), &LoadOptions { device: device.clone(), ..LoadOptions::default() })?;
+            for fused in [true, false] {
+                m.shard.set_fused_decode(fused);
+                for wait_each in [true, false] {
+                    let mut cache = m.shard.new_cache();
+                    logits(&m.shard, &[1, 2, 3, 4], &mut cache, false)?;
+                    let t0 = std::time::Instant::now();
+                    for i in 0..n {
+                        let ShardOutput::Logits(l) = m.shard.forward(ShardInput::Tokens(&[(i % 1000) as u32 + 10]), &mut cache, false)? else { bail!("no logits") };
+                        if wait_each {
+                            l.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?;
+                        }
+                    }
+                    device.synchronize()?;
+                    println!("{}, {}: {:.3} ms per token", if fused { "fused" } else { "candle ops" }, if wait_each { "waiting for each token" } else { "queued" }, t0.elapsed().as_secs_f64() * 1e3 / n as f64);
+                }
+            }
+        }
+        _ => bail!("usage: device_check fixtures <dir> | same|fused|time <model> [--device cuda] [--tokens N] [--prompt TEXT]"),
     }
     if failures > 0 {
         bail!("{failures} check(s) failed");

@@ -15,8 +15,8 @@ use super::{EngineError, Result};
 
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
-    weight: Tensor,
-    eps: f32,
+    pub(super) weight: Tensor,
+    pub(super) eps: f32,
 }
 
 impl RmsNorm {
@@ -40,8 +40,8 @@ impl RmsNorm {
 /// A linear layer with an optional bias.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    weight: Matrix,
-    bias: Option<Tensor>,
+    pub(super) weight: Matrix,
+    pub(super) bias: Option<Tensor>,
 }
 
 impl Linear {
@@ -181,25 +181,25 @@ pub fn rope_tables(rope: &Rope, head_dim: usize, start: usize, len: usize, devic
 
 #[derive(Debug, Clone)]
 pub struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    q_norm: Option<RmsNorm>,
-    k_norm: Option<RmsNorm>,
+    pub(super) q: Linear,
+    pub(super) k: Linear,
+    pub(super) v: Linear,
+    pub(super) o: Linear,
+    pub(super) q_norm: Option<RmsNorm>,
+    pub(super) k_norm: Option<RmsNorm>,
     /// Query and KV heads this node runs (all of them, or a tensor-parallel slice's).
-    num_heads: usize,
-    num_kv_heads: usize,
+    pub(super) num_heads: usize,
+    pub(super) num_kv_heads: usize,
     /// For a slice whose query heads do not share their KV heads evenly: the local KV head of
     /// each local query head, to expand the KV history with (`None`: fold heads, no copy).
-    kv_of_head: Option<Tensor>,
-    head_dim: usize,
-    scale: f64,
-    softcap: Option<f64>,
-    rope_style: RopeStyle,
-    window: Option<usize>,
+    pub(super) kv_of_head: Option<Tensor>,
+    pub(super) head_dim: usize,
+    pub(super) scale: f64,
+    pub(super) softcap: Option<f64>,
+    pub(super) rope_style: RopeStyle,
+    pub(super) window: Option<usize>,
     /// q, k and v stacked into one matrix on a GPU (see `Linear::fuse`).
-    qkv: Option<Linear>,
+    pub(super) qkv: Option<Linear>,
 }
 
 impl Attention {
@@ -381,12 +381,12 @@ fn attention_mask(start: usize, t: usize, first_key: usize, keys: usize, window:
 
 #[derive(Debug, Clone)]
 pub struct Mlp {
-    gate: Linear,
-    up: Linear,
-    down: Linear,
-    activation: Activation,
+    pub(super) gate: Linear,
+    pub(super) up: Linear,
+    pub(super) down: Linear,
+    pub(super) activation: Activation,
     /// gate and up stacked into one matrix on a GPU (see `Linear::fuse`).
-    gate_up: Option<Linear>,
+    pub(super) gate_up: Option<Linear>,
 }
 
 impl Mlp {
@@ -441,14 +441,14 @@ fn gated_on_pool(act: Activation, gate: &Tensor, up: &Tensor) -> Result<Option<T
 /// One transformer block: pre-norm attention and MLP with residuals, plus Gemma's sandwich norms.
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
-    attn_norm: RmsNorm,
-    attn: Attention,
-    post_attn_norm: Option<RmsNorm>,
-    ffn_norm: RmsNorm,
-    mlp: Mlp,
-    post_ffn_norm: Option<RmsNorm>,
-    rope: Rope,
-    head_dim: usize,
+    pub(super) attn_norm: RmsNorm,
+    pub(super) attn: Attention,
+    pub(super) post_attn_norm: Option<RmsNorm>,
+    pub(super) ffn_norm: RmsNorm,
+    pub(super) mlp: Mlp,
+    pub(super) post_ffn_norm: Option<RmsNorm>,
+    pub(super) rope: Rope,
+    pub(super) head_dim: usize,
 }
 
 impl DecoderLayer {

@@ -5,6 +5,8 @@
 
 pub mod bench;
 pub mod cache;
+#[cfg(feature = "cuda")]
+pub mod cuda_decode;
 pub mod device;
 pub mod families;
 pub mod generate;

@@ -71,6 +71,9 @@ pub struct Shard {
     /// A tensor-parallel last shard holds only these rows of the LM head (of how many): its
     /// logits are gathered from the group (`tp::gather_logits`).
     head_part: Option<(std::ops::Range<usize>, usize)>,
+    /// On a GPU: the fused one-token step (`cuda_decode`), when these layers fit its kernels.
+    #[cfg(feature = "cuda")]
+    fused: Option<super::cuda_decode::FusedDecode>,
 }
 
 impl Shard {
@@ -123,7 +126,34 @@ impl Shard {
             (None, None)
         };
         let dtype = weights.compute_dtype(device);
-        Ok(Shard { spec: spec.clone(), range, embed: if is_first { embed } else { None }, layers, final_norm, lm_head, device: device.clone(), dtype, tp, head_part })
+        #[cfg(feature = "cuda")]
+        let fused = match (device.is_cuda(), &tp) {
+            (true, None) => {
+                let head = final_norm.as_ref().zip(lm_head.as_ref());
+                match super::cuda_decode::FusedDecode::build(&layers, head, spec.hidden_size, device, dtype) {
+                    Ok(f) => Some(f),
+                    Err(e) => {
+                        tracing::info!("layers {range} decode through candle's ops: {e}");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
+        Ok(Shard {
+            spec: spec.clone(),
+            range,
+            embed: if is_first { embed } else { None },
+            layers,
+            final_norm,
+            lm_head,
+            device: device.clone(),
+            dtype,
+            tp,
+            head_part,
+            #[cfg(feature = "cuda")]
+            fused,
+        })
     }
 
     pub fn is_first(&self) -> bool {
@@ -149,6 +179,24 @@ impl Shard {
         self.layers.iter().map(DecoderLayer::weight_bytes).sum::<u64>()
             + self.final_norm.as_ref().map_or(0, RmsNorm::weight_bytes)
             + self.lm_head.as_ref().map_or(0, Linear::weight_bytes)
+    }
+
+    /// Whether one-token steps run fused on the GPU (`cuda_decode`); always false on a CPU.
+    pub fn fused_decode(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if let Some(f) = &self.fused {
+            return f.enabled();
+        }
+        false
+    }
+
+    /// Turns the fused GPU step on or off where there is one (off: candle's ops, to compare).
+    pub fn set_fused_decode(&self, on: bool) {
+        #[cfg(feature = "cuda")]
+        if let Some(f) = &self.fused {
+            f.set_enabled(on);
+        }
+        let _ = on;
     }
 
     pub fn new_cache(&self) -> ShardCache {
@@ -184,6 +232,13 @@ impl Shard {
         if start + t > self.spec.context_length {
             return Err(EngineError::PromptTooLong { prompt_tokens: start + t, context: self.spec.context_length });
         }
+        #[cfg(feature = "cuda")]
+        if let (1, Some(fused)) = (t, &self.fused) {
+            if fused.enabled() {
+                let y = fused.step(&x, cache)?;
+                return if self.is_last() { self.finish_logits(y) } else { Ok(ShardOutput::Hidden(y)) };
+            }
+        }
         // Rope tables depend only on (rope, positions): compute once per distinct rope.
         let mut tables: Vec<(&super::spec::Rope, (Tensor, Tensor))> = Vec::new();
         for (layer, layer_cache) in self.layers.iter().zip(cache.layers.iter_mut()) {
@@ -205,16 +260,20 @@ impl Shard {
                 if let (Some((rows, total)), Some(m)) = (&self.head_part, &self.tp) {
                     logits = super::tp::gather_logits(&logits, rows.clone(), *total, &*m.reduce)?;
                 }
-                if let Some(cap) = self.spec.final_logit_softcap {
-                    logits = ((logits / cap)?.tanh()? * cap)?;
-                }
-                // Some checkpoints pad the vocabulary; only real ids are sampled.
-                if logits.dim(D::Minus1)? > self.spec.vocab_size {
-                    logits = logits.narrow(D::Minus1, 0, self.spec.vocab_size)?;
-                }
-                Ok(ShardOutput::Logits(logits.contiguous()?))
+                self.finish_logits(logits)
             }
             _ => Ok(ShardOutput::Hidden(x.to_dtype(DType::F32)?)),
         }
+    }
+
+    /// The model's final soft-cap, and only real vocabulary ids (some checkpoints pad it).
+    fn finish_logits(&self, mut logits: Tensor) -> Result<ShardOutput> {
+        if let Some(cap) = self.spec.final_logit_softcap {
+            logits = ((logits / cap)?.tanh()? * cap)?;
+        }
+        if logits.dim(D::Minus1)? > self.spec.vocab_size {
+            logits = logits.narrow(D::Minus1, 0, self.spec.vocab_size)?;
+        }
+        Ok(ShardOutput::Logits(logits.contiguous()?))
     }
 }

@@ -1,0 +1,616 @@
+// decode.cu — shoal's fused kernels for one decode step (one token, batch 1) on an NVIDIA GPU.
+//
+// A step runs five kernels per layer, all on f32 activations:
+//   mv (RMSNorm + q/k/v rows + bias)  ->  attend (q/k norm, rope, KV append, softmax·V)
+//   ->  mv (o rows, added into the residual)  ->  mv (RMSNorm + gate/up rows, act(gate)·up)
+//   ->  mv (down rows, added into the residual)
+// plus `add_norm` for families with post-norms. Weights are read in the form they are stored
+// (f32/f16/bf16 rows, GGUF Q8_0/Q4_K/Q6_K blocks) and never copied; the position comes from
+// device memory so a step can be captured once as a CUDA graph and replayed.
+// What this file does not do: prompts (t > 1 run through candle and cuBLAS), batches, sampling.
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#define FMT_F32 0
+#define FMT_F16 1
+#define FMT_BF16 2
+#define FMT_Q8_0 8
+#define FMT_Q4_K 12
+#define FMT_Q6_K 14
+
+#define MODE_STORE 0
+#define MODE_ADD 1
+#define MODE_SILU 2
+#define MODE_GELU_TANH 3
+
+struct Seg {
+    const void* w;       // rows x cols, row-major in `fmt`
+    const float* bias;   // rows, or null
+    int fmt;
+    int rows;
+};
+
+struct MvArgs {
+    Seg seg[3];
+    int nseg;
+    int cols;
+    int slice;           // input values per block row (gridDim.y = ceil(cols / slice))
+    const float* x;      // cols
+    const float* norm_w; // cols: RMSNorm the input first; null: use x as it is
+    float eps;
+    int mode;
+    float* out;
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block; every thread gets the result. `scratch` holds 32 floats.
+__device__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? scratch[lane] : 0.f;
+    return warp_sum(t);
+}
+
+__device__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < nw ? scratch[lane] : -INFINITY;
+    return warp_max(t);
+}
+
+__device__ __forceinline__ float half_at(const void* p, int byte_offset) {
+    return __half2float(*reinterpret_cast<const __half*>(reinterpret_cast<const uint8_t*>(p) + byte_offset));
+}
+
+__device__ __forceinline__ uint32_t load_u16x2(const uint8_t* p) {  // 4 bytes at a 2-byte-aligned address
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+    return (uint32_t)__ldg(h) | ((uint32_t)__ldg(h + 1) << 16);
+}
+
+// ---- one row · xs, per weight format; every lane returns the full sum ----
+// Each function issues the loads of several steps before using any of them: a warp's bytes in
+// flight, not arithmetic, bound a matrix-vector product.
+
+__device__ __forceinline__ void widen2(uint32_t p, int fmt, float* lo, float* hi) {
+    if (fmt == FMT_F16) {
+        float2 f = __half22float2(*reinterpret_cast<const __half2*>(&p));
+        *lo = f.x;
+        *hi = f.y;
+    } else {
+        *lo = __uint_as_float(p << 16);
+        *hi = __uint_as_float(p & 0xffff0000u);
+    }
+}
+
+// f16/bf16 rows: 8 values (16 bytes) per lane per step, 8 steps (2048 values) per round.
+template <int FMT>
+__device__ float dot_half(const uint8_t* rp, int cols, const float* xs) {
+    int lane = threadIdx.x & 31;
+    const uint16_t* r = reinterpret_cast<const uint16_t*>(rp);
+    float acc = 0.f;
+    for (int base = 0; base < cols; base += 8 * 256) {
+        uint4 u[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            int j = base + k * 256 + lane * 8;
+            u[k] = j < cols ? __ldg(reinterpret_cast<const uint4*>(r + j)) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            int j = base + k * 256 + lane * 8;
+            if (j < cols) {
+                const uint32_t* p = reinterpret_cast<const uint32_t*>(&u[k]);
+                // x as two 16-byte shared loads (scalar loads 8 values apart would conflict).
+                float4 xa = *reinterpret_cast<const float4*>(xs + j), xb = *reinterpret_cast<const float4*>(xs + j + 4);
+                float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    float lo, hi;
+                    widen2(p[e], FMT, &lo, &hi);
+                    acc += lo * xv[2 * e] + hi * xv[2 * e + 1];
+                }
+            }
+        }
+    }
+    return warp_sum(acc);
+}
+
+// f32 rows: 4 values per lane per step, 8 steps (1024 values) per round.
+__device__ float dot_f32(const uint8_t* rp, int cols, const float* xs) {
+    int lane = threadIdx.x & 31;
+    const float* r = reinterpret_cast<const float*>(rp);
+    float acc = 0.f;
+    for (int base = 0; base < cols; base += 8 * 128) {
+        float4 u[8];
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            int j = base + k * 128 + lane * 4;
+            u[k] = j < cols ? __ldg(reinterpret_cast<const float4*>(r + j)) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            int j = base + k * 128 + lane * 4;
+            if (j < cols) {
+                float4 xv = *reinterpret_cast<const float4*>(xs + j);
+                acc += u[k].x * xv.x + u[k].y * xv.y + u[k].z * xv.z + u[k].w * xv.w;
+            }
+        }
+    }
+    return warp_sum(acc);
+}
+
+// Q8_0: 34-byte blocks of 32 values (f16 scale, 32 int8). Four lanes per block (8 values each),
+// 8 blocks per step, 4 steps per round.
+__device__ float dot_q8_0(const uint8_t* r, int cols, const float* xs) {
+    int lane = threadIdx.x & 31, part = lane & 3;
+    int nb = cols >> 5;
+    float acc = 0.f;
+    for (int b0 = 0; b0 < nb; b0 += 32) {
+        uint32_t q0[4], q1[4];
+        float d[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int b = b0 + 8 * k + (lane >> 2);
+            if (b < nb) {
+                const uint8_t* blk = r + (size_t)b * 34;
+                d[k] = half_at(blk, 0);
+                q0[k] = load_u16x2(blk + 2 + part * 8);
+                q1[k] = load_u16x2(blk + 2 + part * 8 + 4);
+            } else {
+                d[k] = 0.f;
+                q0[k] = q1[k] = 0;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int b = b0 + 8 * k + (lane >> 2);
+            if (b < nb) {
+                float4 xa = *reinterpret_cast<const float4*>(xs + b * 32 + part * 8), xb = *reinterpret_cast<const float4*>(xs + b * 32 + part * 8 + 4);
+                float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+                float s = 0.f;
+#pragma unroll
+                for (int e = 0; e < 4; e++) s += (float)(int8_t)(q0[k] >> (8 * e)) * xv[e] + (float)(int8_t)(q1[k] >> (8 * e)) * xv[4 + e];
+                acc += d[k] * s;
+            }
+        }
+    }
+    return warp_sum(acc);
+}
+
+__device__ __forceinline__ uint32_t byte_of(const uint32_t* w, int j) { return (w[j >> 2] >> (8 * (j & 3))) & 0xFF; }
+
+// The 6-bit scale and min of sub-block j (0..7) from a K-quant's 12 packed bytes.
+__device__ __forceinline__ void scale_min_k4(int j, const uint32_t* q, float* sc, float* m) {
+    if (j < 4) {
+        *sc = (float)(byte_of(q, j) & 63);
+        *m = (float)(byte_of(q, j + 4) & 63);
+    } else {
+        *sc = (float)((byte_of(q, j + 4) & 0xF) | ((byte_of(q, j - 4) >> 6) << 4));
+        *m = (float)((byte_of(q, j + 4) >> 4) | ((byte_of(q, j) >> 6) << 4));
+    }
+}
+
+// Q4_K: 144-byte blocks of 256 values: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes
+// of nibbles (four groups of 32 bytes: low nibbles are values 64g..64g+31, high 64g+32..64g+63).
+// A warp reads one block per step (4 nibble bytes per lane, so lanes read x in consecutive
+// 16-byte pieces, free of shared-memory bank conflicts), 4 steps per round.
+__device__ float dot_q4_k(const uint8_t* r, int cols, const float* xs) {
+    int lane = threadIdx.x & 31;
+    int nb = cols >> 8;
+    int g = lane >> 3, o = (lane & 7) * 4;  // this lane's group and its first value in it
+    float acc = 0.f;
+    for (int b0 = 0; b0 < nb; b0 += 4) {
+        uint32_t q[4];
+        uint4 head[4];  // d and dmin, then the 12 scale bytes
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int b = b0 + k;
+            if (b < nb) {
+                const uint8_t* blk = r + (size_t)b * 144;
+                q[k] = __ldg(reinterpret_cast<const uint32_t*>(blk + 16 + 32 * g + o));
+                head[k] = __ldg(reinterpret_cast<const uint4*>(blk));
+            } else {
+                q[k] = 0;
+                head[k] = make_uint4(0, 0, 0, 0);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int b = b0 + k;
+            if (b < nb) {
+                const uint32_t* hw = reinterpret_cast<const uint32_t*>(&head[k]);
+                float2 d = __half22float2(*reinterpret_cast<const __half2*>(&hw[0]));
+                float sc0, m0, sc1, m1;
+                scale_min_k4(2 * g, hw + 1, &sc0, &m0);
+                scale_min_k4(2 * g + 1, hw + 1, &sc1, &m1);
+                const float* xp = xs + b * 256 + 64 * g + o;
+                float4 xl = *reinterpret_cast<const float4*>(xp), xh = *reinterpret_cast<const float4*>(xp + 32);
+                float lo[4] = {xl.x, xl.y, xl.z, xl.w}, hi[4] = {xh.x, xh.y, xh.z, xh.w};
+                float qlo = 0.f, qhi = 0.f;
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    uint32_t byte = (q[k] >> (8 * c)) & 0xFF;
+                    qlo += (float)(byte & 0xF) * lo[c];
+                    qhi += (float)(byte >> 4) * hi[c];
+                }
+                float slo = lo[0] + lo[1] + lo[2] + lo[3], shi = hi[0] + hi[1] + hi[2] + hi[3];
+                acc += d.x * (sc0 * qlo + sc1 * qhi) - d.y * (m0 * slo + m1 * shi);
+            }
+        }
+    }
+    return warp_sum(acc);
+}
+
+// Q6_K: 210-byte blocks of 256 values: 128 bytes of low nibbles (ql), 64 bytes of high bit pairs
+// (qh), 16 int8 scales, f16 d. Sixteen lanes per block (16 values each), 2 blocks per step,
+// 4 steps per round. Blocks are only 2-byte aligned, so loads are 16-bit.
+__device__ float dot_q6_k(const uint8_t* r, int cols, const float* xs) {
+    int lane = threadIdx.x & 31;
+    int nb = cols >> 8;
+    int s = lane & 15, n = s >> 3, l0 = (s & 7) * 4;
+    float acc = 0.f;
+    for (int b0 = 0; b0 < nb; b0 += 8) {
+        uint32_t qa[4], qb[4], qh[4], scw[4];
+        float d[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int b = b0 + 2 * k + (lane >> 4);
+            if (b < nb) {
+                const uint8_t* blk = r + (size_t)b * 210;
+                qa[k] = load_u16x2(blk + 64 * n + l0);
+                qb[k] = load_u16x2(blk + 64 * n + l0 + 32);
+                qh[k] = load_u16x2(blk + 128 + 32 * n + l0);
+                // Scales 8n + l0/16 + {0, 2, 4, 6}: bytes 0, 2, 4, 6 of these 8.
+                const uint8_t* sp = blk + 192 + 8 * n + l0 / 16;
+                scw[k] = (uint32_t)__ldg(sp) | ((uint32_t)__ldg(sp + 2) << 8) | ((uint32_t)__ldg(sp + 4) << 16) | ((uint32_t)__ldg(sp + 6) << 24);
+                d[k] = half_at(blk, 208);
+            } else {
+                qa[k] = qb[k] = qh[k] = scw[k] = 0;
+                d[k] = 0.f;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int b = b0 + 2 * k + (lane >> 4);
+            if (b < nb) {
+                const float* xp = xs + b * 256 + 128 * n + l0;
+                float4 x0 = *reinterpret_cast<const float4*>(xp), x1 = *reinterpret_cast<const float4*>(xp + 32);
+                float4 x2 = *reinterpret_cast<const float4*>(xp + 64), x3 = *reinterpret_cast<const float4*>(xp + 96);
+                float xv[4][4] = {{x0.x, x0.y, x0.z, x0.w}, {x1.x, x1.y, x1.z, x1.w}, {x2.x, x2.y, x2.z, x2.w}, {x3.x, x3.y, x3.z, x3.w}};
+                float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+                for (int c = 0; c < 4; c++) {
+                    uint32_t a = (qa[k] >> (8 * c)) & 0xFF, cc = (qb[k] >> (8 * c)) & 0xFF, hb = (qh[k] >> (8 * c)) & 0xFF;
+                    part[0] += (float)((int)((a & 0xF) | ((hb & 3) << 4)) - 32) * xv[0][c];
+                    part[1] += (float)((int)((cc & 0xF) | (((hb >> 2) & 3) << 4)) - 32) * xv[1][c];
+                    part[2] += (float)((int)((a >> 4) | (((hb >> 4) & 3) << 4)) - 32) * xv[2][c];
+                    part[3] += (float)((int)((cc >> 4) | (((hb >> 6) & 3) << 4)) - 32) * xv[3][c];
+                }
+                float sum = 0.f;
+#pragma unroll
+                for (int c = 0; c < 4; c++) sum += (float)(int8_t)(scw[k] >> (8 * c)) * part[c];
+                acc += d[k] * sum;
+            }
+        }
+    }
+    return warp_sum(acc);
+}
+
+// Bytes that `n` values of one row take in `fmt` (n a whole number of blocks).
+__device__ __forceinline__ size_t fmt_bytes(int fmt, size_t n) {
+    switch (fmt) {
+        case FMT_F32: return n * 4;
+        case FMT_F16:
+        case FMT_BF16: return n * 2;
+        case FMT_Q8_0: return n / 32 * 34;
+        case FMT_Q4_K: return n / 256 * 144;
+        default: return n / 256 * 210;
+    }
+}
+
+// Row `row` of a matrix `cols` wide, values [k0, k0 + n), · xs[0..n).
+__device__ float dot_row(const void* w, int fmt, int row, int cols, int k0, int n, const float* xs) {
+    const uint8_t* r = reinterpret_cast<const uint8_t*>(w) + fmt_bytes(fmt, (size_t)row * cols) + fmt_bytes(fmt, k0);
+    switch (fmt) {
+        case FMT_F32: return dot_f32(r, n, xs);
+        case FMT_F16: return dot_half<FMT_F16>(r, n, xs);
+        case FMT_BF16: return dot_half<FMT_BF16>(r, n, xs);
+        case FMT_Q8_0: return dot_q8_0(r, n, xs);
+        case FMT_Q4_K: return dot_q4_k(r, n, xs);
+        default: return dot_q6_k(r, n, xs);
+    }
+}
+
+// Segment `i` of the arguments, chosen with constant indices: indexing the kernel parameter
+// with a variable would copy all of it to local memory in every thread.
+__device__ __forceinline__ Seg seg_at(const MvArgs& a, int i) { return i == 0 ? a.seg[0] : (i == 1 ? a.seg[1] : a.seg[2]); }
+
+__device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
+
+__device__ __forceinline__ float gelu_tanh(float g) {
+    return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
+
+// out = W · norm(x) over up to three stacked matrices (one warp per output row). Modes: store,
+// add into out (a residual), or gated: out[i] = act(gate_i) · up_i with seg[0] = gate, seg[1] = up
+// (a warp pair per i: one takes the gate row, its neighbour the up row, both loading at once).
+extern "C" __global__ void __launch_bounds__(256, 4) mv(MvArgs a) {
+    extern __shared__ float4 xs4[];  // float4: 16-byte aligned for the vector loads
+    float* xs = reinterpret_cast<float*>(xs4);
+    __shared__ float scratch[32];
+    __shared__ float pair[8];
+    // Split-K (MODE_ADD only): block row y takes input values [k0, k0 + kn) and adds its
+    // partial sums atomically.
+    int k0 = blockIdx.y * a.slice, kn = min(a.slice, a.cols - k0);
+    float ss = 0.f;
+#pragma unroll 4
+    for (int j = threadIdx.x; j < kn; j += blockDim.x) {
+        float v = a.x[k0 + j];
+        xs[j] = v;
+        ss += v * v;
+    }
+    if (a.norm_w) {
+        ss = block_sum(ss, scratch);  // its barriers also publish xs
+        float rinv = rsqrtf(ss / (float)a.cols + a.eps);
+#pragma unroll 4
+        for (int j = threadIdx.x; j < a.cols; j += blockDim.x) xs[j] *= rinv * a.norm_w[j];
+    }
+    __syncthreads();
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int warps = blockDim.x >> 5;
+    if (a.mode == MODE_SILU || a.mode == MODE_GELU_TANH) {
+        int total = a.seg[0].rows, per_block = warps / 2;
+        // Block-uniform trip count: the barriers below are reached by every warp.
+        for (int base = blockIdx.x * per_block; base < total; base += gridDim.x * per_block) {
+            int r = base + (warp >> 1);
+            Seg sg = seg_at(a, warp & 1);
+            if (r < total) {
+                float y = dot_row(sg.w, sg.fmt, r, a.cols, 0, a.cols, xs);
+                if (lane == 0) pair[warp] = y + (sg.bias ? sg.bias[r] : 0.f);
+            }
+            __syncthreads();
+            if (r < total && (warp & 1) == 0 && lane == 0) {
+                float g = pair[warp], u = pair[warp + 1];
+                a.out[r] = (a.mode == MODE_SILU ? silu(g) : gelu_tanh(g)) * u;
+            }
+            __syncthreads();
+        }
+        return;
+    }
+    int total = a.seg[0].rows + (a.nseg > 1 ? a.seg[1].rows : 0) + (a.nseg > 2 ? a.seg[2].rows : 0);
+    for (int r = blockIdx.x * warps + warp; r < total; r += gridDim.x * warps) {
+        int lr = r;
+        Seg sg = a.seg[0];
+        if (a.nseg > 1 && lr >= sg.rows) {
+            lr -= sg.rows;
+            sg = a.seg[1];
+            if (a.nseg > 2 && lr >= sg.rows) {
+                lr -= sg.rows;
+                sg = a.seg[2];
+            }
+        }
+        float y = dot_row(sg.w, sg.fmt, lr, a.cols, k0, kn, xs);
+        if (lane == 0) {
+            if (sg.bias && k0 == 0) y += sg.bias[lr];
+            if (a.mode != MODE_ADD) a.out[r] = y;
+            else if (gridDim.y > 1) atomicAdd(&a.out[r], y);
+            else a.out[r] += y;
+        }
+    }
+}
+
+// x += RMSNorm(h) · w (the post-attention and post-MLP norms of Gemma-style blocks). One block.
+extern "C" __global__ void add_norm(float* x, const float* h, const float* w, int n, float eps) {
+    __shared__ float scratch[32];
+    float ss = 0.f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) ss += h[j] * h[j];
+    ss = block_sum(ss, scratch);
+    float rinv = rsqrtf(ss / (float)n + eps);
+    for (int j = threadIdx.x; j < n; j += blockDim.x) x[j] += h[j] * rinv * w[j];
+}
+
+struct AttnArgs {
+    const float* qkv;      // q (heads·d), then k (kv_heads·d), then v (kv_heads·d)
+    void* k_cache;         // (kv_heads, capacity, d) in cache_fmt
+    void* v_cache;
+    const float* inv_freq; // d/2
+    const float* q_norm;   // d, or null
+    const float* k_norm;   // d, or null
+    const int* pos;        // the new token's position (device memory, so graphs can replay)
+    float* out;            // heads·d
+    int cache_fmt;         // FMT_F32, FMT_F16 or FMT_BF16
+    int capacity;
+    int heads;
+    int kv_heads;
+    int d;
+    int rope_halves;       // 1: rotate (i, i + d/2) pairs (NeoX); 0: (2i, 2i + 1) pairs
+    int window;            // 0: every earlier key; else the last `window` positions
+    float scale;
+    float softcap;         // 0: none
+    float eps;
+};
+
+__device__ __forceinline__ float cache_load(const void* c, int fmt, size_t i) {
+    if (fmt == FMT_F32) return reinterpret_cast<const float*>(c)[i];
+    if (fmt == FMT_F16) return __half2float(reinterpret_cast<const __half*>(c)[i]);
+    return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(c)[i]);
+}
+
+__device__ __forceinline__ void cache_store(void* c, int fmt, size_t i, float v) {
+    if (fmt == FMT_F32) reinterpret_cast<float*>(c)[i] = v;
+    else if (fmt == FMT_F16) reinterpret_cast<__half*>(c)[i] = __float2half(v);
+    else reinterpret_cast<__nv_bfloat16*>(c)[i] = __float2bfloat16(v);
+}
+
+// q · one cached row of `d` values (d a multiple of 8), 16 bytes per load.
+__device__ float dot_cache_row(const void* c, int fmt, size_t base, const float* q, int d) {
+    float s = 0.f;
+    if (fmt == FMT_F32) {
+        const float4* r = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(c) + base);
+#pragma unroll 16
+        for (int i = 0; i < d / 4; i++) {
+            float4 v = r[i];
+            s += v.x * q[4 * i] + v.y * q[4 * i + 1] + v.z * q[4 * i + 2] + v.w * q[4 * i + 3];
+        }
+        return s;
+    }
+    const uint4* r = reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(c) + base);
+#pragma unroll 16
+    for (int i = 0; i < d / 8; i++) {
+        uint4 u = r[i];
+        const uint32_t* pw = reinterpret_cast<const uint32_t*>(&u);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            float lo, hi;
+            if (fmt == FMT_F16) {
+                float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pw[e]));
+                lo = f.x; hi = f.y;
+            } else {
+                lo = __uint_as_float(pw[e] << 16);
+                hi = __uint_as_float(pw[e] & 0xffff0000u);
+            }
+            s += lo * q[8 * i + 2 * e] + hi * q[8 * i + 2 * e + 1];
+        }
+    }
+    return s;
+}
+
+// Norms (optional) and rotates one head of `d` values in shared memory, in place.
+__device__ void norm_and_rope(float* v, const float* norm_w, float eps, const float* inv_freq, int pos, int d, int halves, float* scratch) {
+    if (norm_w) {
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) ss += v[i] * v[i];
+        ss = block_sum(ss, scratch);
+        float rinv = rsqrtf(ss / (float)d + eps);
+        for (int i = threadIdx.x; i < d; i += blockDim.x) v[i] = v[i] * rinv * norm_w[i];
+        __syncthreads();
+    }
+    int half = d / 2;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        float angle = (float)pos * inv_freq[i];
+        float c = cosf(angle), s = sinf(angle);
+        int i0 = halves ? i : 2 * i, i1 = halves ? i + half : 2 * i + 1;
+        float x0 = v[i0], x1 = v[i1];
+        v[i0] = x0 * c - x1 * s;
+        v[i1] = x1 * c + x0 * s;
+    }
+    __syncthreads();
+}
+
+#define ATTN_CHUNK 1024
+#define ATTN_MAX_D 256
+
+// One block per query head: rope, append this step's key and value (the first head of each KV
+// group writes them), then softmax(q·K / √d)·V over the visible keys, 1024 keys per pass with
+// the running maximum carried between passes.
+extern "C" __global__ void attend(AttnArgs a) {
+    __shared__ float q[ATTN_MAX_D], kn[ATTN_MAX_D], vn[ATTN_MAX_D], acc[ATTN_MAX_D];
+    __shared__ float p[ATTN_CHUNK];
+    __shared__ float scratch[32];
+    __shared__ float part[8][ATTN_MAX_D];
+    int h = blockIdx.x, d = a.d;
+    int rep = a.heads / a.kv_heads, kvh = h / rep;
+    int pos = *a.pos;
+    const float* kin = a.qkv + a.heads * d + kvh * d;
+    const float* vin = a.qkv + a.heads * d + a.kv_heads * d + kvh * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        q[i] = a.qkv[h * d + i];
+        kn[i] = kin[i];
+        vn[i] = vin[i];
+        acc[i] = 0.f;
+    }
+    __syncthreads();
+    norm_and_rope(q, a.q_norm, a.eps, a.inv_freq, pos, d, a.rope_halves, scratch);
+    norm_and_rope(kn, a.k_norm, a.eps, a.inv_freq, pos, d, a.rope_halves, scratch);
+    size_t head_base = (size_t)kvh * a.capacity * d;
+    if (h % rep == 0) {
+        for (int i = threadIdx.x; i < d; i += blockDim.x) {
+            cache_store(a.k_cache, a.cache_fmt, head_base + (size_t)pos * d + i, kn[i]);
+            cache_store(a.v_cache, a.cache_fmt, head_base + (size_t)pos * d + i, vn[i]);
+        }
+    }
+    int first = (a.window > 0 && pos + 1 > a.window) ? pos + 1 - a.window : 0;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    float run_max = -INFINITY, run_sum = 0.f;
+    for (int c0 = first; c0 <= pos; c0 += ATTN_CHUNK) {
+        int n = min(ATTN_CHUNK, pos + 1 - c0);
+        // Scores: one thread per key, reading the key's row with 16-byte loads.
+        for (int t = threadIdx.x; t < n; t += blockDim.x) {
+            int key = c0 + t;
+            float s = 0.f;
+            if (key == pos) {
+                for (int i = 0; i < d; i++) s += q[i] * kn[i];
+            } else {
+                s = dot_cache_row(a.k_cache, a.cache_fmt, head_base + (size_t)key * d, q, d);
+            }
+            s *= a.scale;
+            if (a.softcap > 0.f) s = tanhf(s / a.softcap) * a.softcap;
+            p[t] = s;
+        }
+        __syncthreads();
+        float m = -INFINITY;
+        for (int t = threadIdx.x; t < n; t += blockDim.x) m = fmaxf(m, p[t]);
+        m = block_max(m, scratch);
+        float new_max = fmaxf(run_max, m);
+        float sum = 0.f;
+        for (int t = threadIdx.x; t < n; t += blockDim.x) {
+            float e = expf(p[t] - new_max);
+            p[t] = e;
+            sum += e;
+        }
+        sum = block_sum(sum, scratch);  // its barriers also publish p[]
+        float rescale = expf(run_max - new_max);
+        run_sum = run_sum * rescale + sum;
+        run_max = new_max;
+        // p·V: each warp takes every `warps`-th key, lanes over values (value i = lane + 32k,
+        // kept in registers); then the warps' partial sums are added up.
+        {
+            float o[ATTN_MAX_D / 32];
+#pragma unroll
+            for (int k = 0; k < ATTN_MAX_D / 32; k++) o[k] = 0.f;
+#pragma unroll 4
+            for (int t = warp; t < n; t += warps) {
+                int key = c0 + t;
+                float pt = p[t];
+                size_t row = head_base + (size_t)key * d;
+#pragma unroll
+                for (int k = 0; k < ATTN_MAX_D / 32; k++) {
+                    int i = lane + 32 * k;
+                    if (i < d) o[k] += pt * (key == pos ? vn[i] : cache_load(a.v_cache, a.cache_fmt, row + i));
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < ATTN_MAX_D / 32; k++) {
+                int i = lane + 32 * k;
+                if (i < d) part[warp][i] = o[k];
+            }
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < d; i += blockDim.x) {
+            float o = 0.f;
+            for (int w = 0; w < warps; w++) o += part[w][i];
+            acc[i] = acc[i] * rescale + o;
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < d; i += blockDim.x) a.out[h * d + i] = acc[i] / run_sum;
+}

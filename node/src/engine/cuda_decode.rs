@@ -1,0 +1,521 @@
+//! The fused decode step on an NVIDIA GPU: one token of a shard's layers in five kernels per
+//! layer (`cuda/decode.cu`), reading the weights where candle loaded them (dense rows or GGUF
+//! blocks, never copied) and the KV cache in place, with f32 activations throughout. The launch
+//! sequence is captured once as a CUDA graph and replayed each token; a replay only needs the
+//! position (in device memory) and is re-captured when the KV buffers move (a new sequence, or
+//! a cache that grew).
+//! What it does not do: prompts (t > 1 stay on candle and cuBLAS), tensor-parallel slices, or
+//! anything on the CPU. A shard whose weights or shapes these kernels do not cover says why at
+//! load and keeps candle's path.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::quantized::{GgmlDType, QMatMul};
+use candle_core::{DType, Device, Storage, Tensor};
+
+use super::cache::ShardCache;
+use super::layers::{DecoderLayer, Linear, RmsNorm};
+use super::spec::{Activation, RopeStyle};
+use super::weights::Matrix;
+use super::{EngineError, Result};
+
+const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));
+const MODULE: &str = "shoal_decode";
+/// Threads per `mv` block: 8 warps, one output row each at a time.
+const MV_THREADS: u32 = 256;
+const ATTEND_THREADS: u32 = 256;
+/// Quantized layers larger than this decode faster through candle's kernels, which multiply by
+/// 8-bit activations (`dp4a`): measured on an H100, the fused step's f32-activation Q4_K rows
+/// win at 1.5B (~30 MB a layer: 336 against 180 tok/s) and lose at 7B (~150 MB: 119 against 170).
+const QUANTIZED_LAYER_LIMIT: u64 = 64 << 20;
+/// Input values per block for split rows (a whole number of every format's blocks).
+const SPLIT_K: usize = 2048;
+
+const FMT_F32: i32 = 0;
+const FMT_F16: i32 = 1;
+const FMT_BF16: i32 = 2;
+const FMT_Q8_0: i32 = 8;
+const FMT_Q4_K: i32 = 12;
+const FMT_Q6_K: i32 = 14;
+
+const MODE_STORE: i32 = 0;
+const MODE_ADD: i32 = 1;
+const MODE_SILU: i32 = 2;
+const MODE_GELU_TANH: i32 = 3;
+
+/// `Seg` in decode.cu: one matrix of a fused matrix-vector product.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct Seg {
+    w: u64,
+    bias: u64,
+    fmt: i32,
+    rows: i32,
+}
+
+/// `MvArgs` in decode.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MvArgs {
+    seg: [Seg; 3],
+    nseg: i32,
+    cols: i32,
+    slice: i32,
+    x: u64,
+    norm_w: u64,
+    eps: f32,
+    mode: i32,
+    out: u64,
+}
+
+/// `AttnArgs` in decode.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct AttnArgs {
+    qkv: u64,
+    k_cache: u64,
+    v_cache: u64,
+    inv_freq: u64,
+    q_norm: u64,
+    k_norm: u64,
+    pos: u64,
+    out: u64,
+    cache_fmt: i32,
+    capacity: i32,
+    heads: i32,
+    kv_heads: i32,
+    d: i32,
+    rope_halves: i32,
+    window: i32,
+    scale: f32,
+    softcap: f32,
+    eps: f32,
+}
+
+// SAFETY: plain `#[repr(C)]` data whose layout matches the structs of the same names in
+// decode.cu (pointers as u64, ints as i32); kernels take them by value.
+unsafe impl DeviceRepr for MvArgs {}
+unsafe impl DeviceRepr for AttnArgs {}
+
+/// One kernel launch of the step; cache pointers are filled in per step.
+#[derive(Clone, Copy)]
+enum Launch {
+    Mv { args: MvArgs, rows: u32 },
+    Attend { args: AttnArgs, layer: usize },
+    AddNorm { x: u64, h: u64, w: u64, n: i32, eps: f32 },
+}
+
+/// Buffers a step writes, allocated once per shard. Steps are serialised by the mutex around
+/// them; their kernels run in stream order.
+struct Buffers {
+    /// The residual stream (hidden f32).
+    x: Tensor,
+    pos: CudaSlice<i32>,
+    logits: Option<Tensor>,
+    /// The captured step and the KV pointers it was captured with.
+    graph: Option<(Captured, Vec<(u64, u64, i32)>)>,
+}
+
+/// A captured step. CUDA graph handles may move between threads; they must not be used from two
+/// at once, which the mutex around `Buffers` rules out.
+struct Captured(CudaGraph);
+// SAFETY: only reached through `FusedDecode::buffers`' mutex (see above).
+unsafe impl Send for Captured {}
+
+pub struct FusedDecode {
+    stream: Arc<CudaStream>,
+    mv: CudaFunction,
+    attend: CudaFunction,
+    add_norm: CudaFunction,
+    launches: Vec<Launch>,
+    /// Per layer: (kv heads, head dim, cache dtype).
+    kv: Vec<(usize, usize, DType)>,
+    hidden: usize,
+    sms: u32,
+    buffers: Mutex<Buffers>,
+    /// f32 copies of norms and biases, rope tables and scratch buffers the launches point into.
+    _keep: Vec<Tensor>,
+    enabled: AtomicBool,
+    use_graph: bool,
+    /// `SHOAL_FUSED_PROFILE=1`: no graph; every launch is timed with CUDA events by its place in
+    /// the layer, and the totals are printed every 64 steps (a diagnostic).
+    profile: Option<Mutex<(u64, Vec<std::time::Duration>)>>,
+}
+
+fn unsupported(why: impl Into<String>) -> EngineError {
+    EngineError::Device(why.into())
+}
+
+fn driver(e: impl std::fmt::Display) -> EngineError {
+    EngineError::Device(format!("cuda: {e}"))
+}
+
+/// The device address of a contiguous CUDA tensor's first element.
+fn tensor_ptr(t: &Tensor) -> Result<u64> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*storage else { return Err(unsupported("tensor is not on a CUDA device")) };
+    if !layout.is_contiguous() {
+        return Err(unsupported("tensor is not contiguous"));
+    }
+    let stream = cs.device.cuda_stream();
+    let base = match t.dtype() {
+        DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+        DType::F16 => cs.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0,
+        DType::BF16 => cs.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
+        DType::U32 => cs.as_cuda_slice::<u32>()?.device_ptr(&stream).0,
+        other => return Err(unsupported(format!("no kernels for {other:?} tensors"))),
+    };
+    Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
+}
+
+fn dense_fmt(dtype: DType) -> Result<i32> {
+    match dtype {
+        DType::F32 => Ok(FMT_F32),
+        DType::F16 => Ok(FMT_F16),
+        DType::BF16 => Ok(FMT_BF16),
+        other => Err(unsupported(format!("no kernels for {other:?} activations"))),
+    }
+}
+
+/// Builds launches, keeping what they point into alive.
+struct Planner<'a> {
+    device: &'a Device,
+    keep: Vec<Tensor>,
+    max_cols: usize,
+}
+
+impl Planner<'_> {
+    /// An f32 copy of a vector on the device, and its address.
+    fn vector(&mut self, t: &Tensor) -> Result<u64> {
+        let t = t.to_dtype(DType::F32)?.contiguous()?;
+        let p = tensor_ptr(&t)?;
+        self.keep.push(t);
+        Ok(p)
+    }
+
+    fn scratch(&mut self, n: usize) -> Result<u64> {
+        let t = Tensor::zeros(n, DType::F32, self.device)?;
+        let p = tensor_ptr(&t)?;
+        self.keep.push(t);
+        Ok(p)
+    }
+
+    /// One matrix as a segment, with its input width.
+    fn seg(&mut self, l: &Linear) -> Result<(Seg, usize)> {
+        let (w, fmt, rows, cols) = match &l.weight {
+            Matrix::Candle(QMatMul::QTensor(q)) => {
+                let fmt = match q.dtype() {
+                    GgmlDType::F32 => FMT_F32,
+                    GgmlDType::F16 => FMT_F16,
+                    GgmlDType::BF16 => FMT_BF16,
+                    GgmlDType::Q8_0 => FMT_Q8_0,
+                    GgmlDType::Q4K => FMT_Q4_K,
+                    GgmlDType::Q6K => FMT_Q6_K,
+                    other => return Err(unsupported(format!("no decode kernel for {other:?} weights"))),
+                };
+                let (rows, cols) = q.shape().dims2()?;
+                (q.device_ptr()? as u64, fmt, rows, cols)
+            }
+            Matrix::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
+                let (rows, cols) = t.dims2()?;
+                (tensor_ptr(t)?, dense_fmt(t.dtype())?, rows, cols)
+            }
+            Matrix::Packed(_) => return Err(unsupported("weights are packed for the CPU")),
+        };
+        // The kernels' vector loads: 16-byte aligned rows of whole blocks.
+        let (block, align) = match fmt {
+            FMT_F32 => (4, 16),
+            FMT_F16 | FMT_BF16 => (8, 16),
+            FMT_Q8_0 => (32, 2),
+            FMT_Q4_K => (256, 16),
+            _ => (256, 2),
+        };
+        if cols % block != 0 || w % align != 0 {
+            return Err(unsupported(format!("a {rows}x{cols} matrix does not fit the kernels' {block}-value rows")));
+        }
+        let bias = match &l.bias {
+            Some(b) => self.vector(b)?,
+            None => 0,
+        };
+        Ok((Seg { w, bias, fmt, rows: rows as i32 }, cols))
+    }
+
+    /// `out (=|+=) W·norm(x)` over `parts` stacked by rows.
+    fn mv(&mut self, parts: &[&Linear], x: u64, norm: Option<(&RmsNorm, u64)>, mode: i32, out: u64) -> Result<Launch> {
+        let mut args = MvArgs { nseg: parts.len() as i32, x, mode, out, ..MvArgs::default() };
+        let mut width = None;
+        for (i, l) in parts.iter().enumerate() {
+            let (seg, cols) = self.seg(l)?;
+            if *width.get_or_insert(cols) != cols {
+                return Err(unsupported("stacked matrices differ in width"));
+            }
+            args.seg[i] = seg;
+        }
+        let cols = width.unwrap_or(0);
+        args.cols = cols as i32;
+        // Long rows added into the residual are split over blocks (summed atomically), so a
+        // block stages only its slice of the input and the grid has enough blocks to fill the GPU.
+        args.slice = if mode == MODE_ADD && cols > SPLIT_K { SPLIT_K as i32 } else { cols as i32 };
+        self.max_cols = self.max_cols.max(args.slice as usize);
+        if let Some((n, w)) = norm {
+            args.norm_w = w;
+            args.eps = n.eps;
+        }
+        let rows = if mode == MODE_SILU || mode == MODE_GELU_TANH {
+            if args.seg[0].rows != args.seg[1].rows {
+                return Err(unsupported("gate and up differ in rows"));
+            }
+            args.seg[0].rows
+        } else {
+            args.seg.iter().map(|s| s.rows).sum()
+        };
+        Ok(Launch::Mv { args, rows: rows as u32 })
+    }
+}
+
+impl FusedDecode {
+    /// Plans the step for `layers` (and, for a last shard, the final norm and LM head).
+    /// An error says why these layers cannot run fused; the caller then keeps candle's path.
+    pub fn build(layers: &[DecoderLayer], head: Option<(&RmsNorm, &Linear)>, hidden: usize, device: &Device, dtype: DType) -> Result<Self> {
+        let cuda = device.as_cuda_device()?;
+        let stream = cuda.cuda_stream();
+        let load = |name: &str| cuda.get_or_load_custom_func(name, MODULE, PTX).map(|f| f.into_cuda_function());
+        let (mv, attend, add_norm) = (load("mv")?, load("attend")?, load("add_norm")?);
+        let mut p = Planner { device, keep: Vec::new(), max_cols: 0 };
+        let x_t = Tensor::zeros(hidden, DType::F32, device)?;
+        let x = tensor_ptr(&x_t)?;
+        let pos = stream.alloc_zeros::<i32>(1).map_err(driver)?;
+        let pos_ptr = pos.device_ptr(&stream).0;
+        let cache_fmt = dense_fmt(dtype)?;
+        let forced = std::env::var("SHOAL_FUSED_DECODE").is_ok_and(|v| v == "1");
+        let quantized: u64 = layers.iter().map(|l| l.weight_bytes()).sum::<u64>() / layers.len().max(1) as u64;
+        let any_quantized = layers.iter().any(|l| matches!(&l.mlp.down.weight, Matrix::Candle(QMatMul::QTensor(q)) if !matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)));
+        if any_quantized && quantized > QUANTIZED_LAYER_LIMIT && !forced {
+            return Err(unsupported(format!("quantized layers of {} MB decode faster through candle's 8-bit-activation kernels", quantized >> 20)));
+        }
+        let mut launches = Vec::new();
+        let mut kv = Vec::new();
+        let h = p.scratch(hidden)?;
+        for layer in layers {
+            let a = &layer.attn;
+            let d = a.head_dim;
+            if a.kv_of_head.is_some() || a.num_kv_heads == 0 || a.num_heads % a.num_kv_heads != 0 {
+                return Err(unsupported("query heads do not share KV heads evenly"));
+            }
+            if d % 8 != 0 || d > 256 {
+                return Err(unsupported(format!("head dim {d} (the attention kernel takes multiples of 8 up to 256)")));
+            }
+            let qkv = p.scratch((a.num_heads + 2 * a.num_kv_heads) * d)?;
+            let attn_out = p.scratch(a.num_heads * d)?;
+            let w = p.vector(&layer.attn_norm.weight)?;
+            launches.push(p.mv(&[&a.q, &a.k, &a.v], x, Some((&layer.attn_norm, w)), MODE_STORE, qkv)?);
+            let inv_freq = Tensor::new(layer.rope.inv_freq(d), device)?;
+            let inv_freq_ptr = tensor_ptr(&inv_freq)?;
+            p.keep.push(inv_freq);
+            let q_norm = a.q_norm.as_ref().map(|n| p.vector(&n.weight)).transpose()?.unwrap_or(0);
+            let k_norm = a.k_norm.as_ref().map(|n| p.vector(&n.weight)).transpose()?.unwrap_or(0);
+            let args = AttnArgs {
+                qkv,
+                inv_freq: inv_freq_ptr,
+                q_norm,
+                k_norm,
+                pos: pos_ptr,
+                out: attn_out,
+                cache_fmt,
+                heads: a.num_heads as i32,
+                kv_heads: a.num_kv_heads as i32,
+                d: d as i32,
+                rope_halves: i32::from(a.rope_style == RopeStyle::Halves),
+                window: a.window.unwrap_or(0) as i32,
+                scale: a.scale as f32,
+                softcap: a.softcap.unwrap_or(0.0) as f32,
+                eps: a.q_norm.as_ref().map_or(layer.attn_norm.eps, |n| n.eps),
+                ..AttnArgs::default()
+            };
+            launches.push(Launch::Attend { args, layer: kv.len() });
+            kv.push((a.num_kv_heads, d, dtype));
+            // o_proj: added into the residual, or through the post-attention norm first.
+            match &layer.post_attn_norm {
+                None => launches.push(p.mv(&[&a.o], attn_out, None, MODE_ADD, x)?),
+                Some(n) => {
+                    launches.push(p.mv(&[&a.o], attn_out, None, MODE_STORE, h)?);
+                    let w = p.vector(&n.weight)?;
+                    launches.push(Launch::AddNorm { x, h, w, n: hidden as i32, eps: n.eps });
+                }
+            }
+            let m = &layer.mlp;
+            let act = p.scratch(match &m.gate.weight {
+                Matrix::Candle(QMatMul::QTensor(q)) => q.shape().dims2()?.0,
+                Matrix::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => t.dims2()?.0,
+                Matrix::Packed(_) => return Err(unsupported("weights are packed for the CPU")),
+            })?;
+            let mode = match m.activation {
+                Activation::Silu => MODE_SILU,
+                Activation::GeluTanh => MODE_GELU_TANH,
+            };
+            let w = p.vector(&layer.ffn_norm.weight)?;
+            launches.push(p.mv(&[&m.gate, &m.up], x, Some((&layer.ffn_norm, w)), mode, act)?);
+            match &layer.post_ffn_norm {
+                None => launches.push(p.mv(&[&m.down], act, None, MODE_ADD, x)?),
+                Some(n) => {
+                    launches.push(p.mv(&[&m.down], act, None, MODE_STORE, h)?);
+                    let w = p.vector(&n.weight)?;
+                    launches.push(Launch::AddNorm { x, h, w, n: hidden as i32, eps: n.eps });
+                }
+            }
+        }
+        let mut logits = None;
+        if let Some((norm, lm_head)) = head {
+            let (seg, _) = p.seg(lm_head)?;
+            let t = Tensor::zeros((1, seg.rows as usize), DType::F32, device)?;
+            let w = p.vector(&norm.weight)?;
+            launches.push(p.mv(&[lm_head], x, Some((norm, w)), MODE_STORE, tensor_ptr(&t)?)?);
+            logits = Some(t);
+        }
+        // Every block of `mv` stages its (normed) input, or its slice of it, in shared memory.
+        let smem = p.max_cols * 4;
+        let ctx = stream.context();
+        let optin = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(driver)? as usize;
+        if smem > optin {
+            return Err(unsupported(format!("inputs of {} values need more shared memory than the GPU has", p.max_cols)));
+        }
+        mv.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(driver)?;
+        let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(driver)? as u32;
+        let use_graph = std::env::var("SHOAL_CUDA_GRAPH").map_or(true, |v| v != "0");
+        // `SHOAL_FUSED_DECODE=0` turns the fused step off, `=1` on even for large quantized layers.
+        let enabled = std::env::var("SHOAL_FUSED_DECODE").map_or(true, |v| v != "0");
+        let profile = std::env::var("SHOAL_FUSED_PROFILE").is_ok_and(|v| v == "1").then(|| Mutex::new((0, vec![std::time::Duration::ZERO; 8])));
+        Ok(FusedDecode {
+            stream,
+            mv,
+            attend,
+            add_norm,
+            launches,
+            kv,
+            hidden,
+            sms,
+            buffers: Mutex::new(Buffers { x: x_t, pos, logits, graph: None }),
+            _keep: p.keep,
+            enabled: AtomicBool::new(enabled),
+            use_graph: use_graph && profile.is_none(),
+            profile,
+        })
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.enabled.load(Ordering::Relaxed)
+    }
+
+    /// Turns the fused step on or off (off: candle's ops decode, for comparisons).
+    pub fn set_enabled(&self, on: bool) {
+        self.enabled.store(on, Ordering::Relaxed);
+    }
+
+    /// One token: `x` is its `(1, 1, hidden)` input. Returns `(1, vocab)` f32 logits for a last
+    /// shard, else the `(1, 1, hidden)` f32 hidden state; the cache advances by one position.
+    pub fn step(&self, x: &Tensor, cache: &mut ShardCache) -> Result<Tensor> {
+        let device = x.device().clone();
+        let x = x.to_dtype(DType::F32)?.contiguous()?;
+        let pos = cache.position();
+        let mut b = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
+        let cu = self.stream.cu_stream();
+        // SAFETY: both buffers are `hidden` f32 values on this device; the copy is in stream order.
+        unsafe { candle_core::cuda_backend::cudarc::driver::result::memcpy_dtod_async(tensor_ptr(&b.x)?, tensor_ptr(&x)?, self.hidden * 4, cu) }.map_err(driver)?;
+        self.stream.memcpy_htod(&[pos as i32], &mut b.pos).map_err(driver)?;
+        let mut caches = Vec::with_capacity(self.kv.len());
+        for (lc, &(kv_heads, d, dtype)) in cache.layers.iter_mut().zip(&self.kv) {
+            let (k, v) = lc.reserve(pos + 1, kv_heads, d, dtype, &device)?;
+            caches.push((tensor_ptr(k)?, tensor_ptr(v)?, k.dim(2)? as i32));
+        }
+        let replay = matches!(&b.graph, Some((_, captured)) if *captured == caches);
+        if !replay {
+            b.graph = None;
+            if self.use_graph {
+                self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(driver)?;
+                let launched = self.launch_all(&caches);
+                let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(driver);
+                launched?;
+                b.graph = graph?.map(|g| (Captured(g), caches.clone()));
+            }
+        }
+        match &b.graph {
+            Some((g, _)) => g.0.launch().map_err(driver)?,
+            None => self.launch_all(&caches)?,
+        }
+        for lc in cache.layers.iter_mut() {
+            lc.advance(1);
+        }
+        match &b.logits {
+            // The next step overwrites the buffers: hand out a copy.
+            Some(l) => Ok(l.copy()?),
+            None => Ok(b.x.copy()?.reshape((1, 1, self.hidden))?),
+        }
+    }
+
+    /// Every kernel of one step, in order, with this step's KV buffers.
+    fn launch_all(&self, caches: &[(u64, u64, i32)]) -> Result<()> {
+        let mut prof = self.profile.as_ref().map(|p| p.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut mv_in_layer = 0usize;
+        let mut events = Vec::new();
+        for l in &self.launches {
+            let t0 = match prof {
+                Some(_) => Some(self.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(driver)?),
+                None => None,
+            };
+            match *l {
+                Launch::Mv { args, rows } => {
+                    // A block takes 8 rows at a time, or 4 gate/up pairs.
+                    let per_block = if args.mode == MODE_SILU || args.mode == MODE_GELU_TANH { MV_THREADS / 64 } else { MV_THREADS / 32 };
+                    let blocks = rows.div_ceil(per_block).clamp(1, self.sms * 4);
+                    let slices = (args.cols as u32).div_ceil(args.slice as u32);
+                    let cfg = LaunchConfig { grid_dim: (blocks, slices, 1), block_dim: (MV_THREADS, 1, 1), shared_mem_bytes: args.slice as u32 * 4 };
+                    // SAFETY: `args` points at buffers kept alive by `self` (weights held by the
+                    // shard, scratch in `_keep`), sized at planning for these rows and columns.
+                    unsafe { self.stream.launch_builder(&self.mv).arg(&args).launch(cfg) }.map_err(driver)?;
+                }
+                Launch::Attend { mut args, layer } => {
+                    (args.k_cache, args.v_cache, args.capacity) = caches[layer];
+                    let cfg = LaunchConfig { grid_dim: (args.heads as u32, 1, 1), block_dim: (ATTEND_THREADS, 1, 1), shared_mem_bytes: 0 };
+                    // SAFETY: as above; the caches hold `capacity` > position rows (reserved).
+                    unsafe { self.stream.launch_builder(&self.attend).arg(&args).launch(cfg) }.map_err(driver)?;
+                }
+                Launch::AddNorm { x, h, w, n, eps } => {
+                    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+                    // SAFETY: three buffers of `n` f32 values kept alive by `self`.
+                    unsafe { self.stream.launch_builder(&self.add_norm).arg(&x).arg(&h).arg(&w).arg(&n).arg(&eps).launch(cfg) }.map_err(driver)?;
+                }
+            }
+            if let Some(t0) = t0 {
+                let t1 = self.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(driver)?;
+                // Slots: 0 qkv, 1 attend, 2 o, 3 gate/up, 4 down, 5 head, 6 add_norm.
+                let slot = match l {
+                    Launch::Mv { .. } if mv_in_layer == 4 * self.kv.len() => 5,
+                    Launch::Mv { .. } => {
+                        mv_in_layer += 1;
+                        [0, 2, 3, 4][(mv_in_layer - 1) % 4]
+                    }
+                    Launch::Attend { .. } => 1,
+                    Launch::AddNorm { .. } => 6,
+                };
+                events.push((slot, t0, t1));
+            }
+        }
+        if let Some((steps, totals)) = prof.as_deref_mut() {
+            self.stream.synchronize().map_err(driver)?;
+            for (slot, t0, t1) in events {
+                totals[slot] += std::time::Duration::from_secs_f64(t0.elapsed_ms(&t1).map_err(driver)? as f64 / 1e3);
+            }
+            *steps += 1;
+            if *steps % 64 == 0 {
+                let us = |d: std::time::Duration| d.as_secs_f64() * 1e6 / *steps as f64;
+                eprintln!(
+                    "fused step, GPU µs per token over {steps} steps (no graph): qkv {:.0}, attend {:.0}, o {:.0}, gate/up {:.0}, down {:.0}, head {:.0}, add_norm {:.0}",
+                    us(totals[0]), us(totals[1]), us(totals[2]), us(totals[3]), us(totals[4]), us(totals[5]), us(totals[6])
+                );
+            }
+        }
+        Ok(())
+    }
+}
