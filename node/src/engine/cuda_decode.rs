@@ -290,10 +290,10 @@ impl FusedDecode {
         let pos_ptr = pos.device_ptr(&stream).0;
         let cache_fmt = dense_fmt(dtype)?;
         let forced = std::env::var("SHOAL_FUSED_DECODE").is_ok_and(|v| v == "1");
-        let quantized: u64 = layers.iter().map(|l| l.weight_bytes()).sum::<u64>() / layers.len().max(1) as u64;
+        let layer_bytes: u64 = layers.iter().map(|l| l.weight_bytes()).sum::<u64>() / layers.len().max(1) as u64;
         let any_quantized = layers.iter().any(|l| matches!(&l.mlp.down.weight, Matrix::Candle(QMatMul::QTensor(q)) if !matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)));
-        if any_quantized && quantized > QUANTIZED_LAYER_LIMIT && !forced {
-            return Err(unsupported(format!("quantized layers of {} MB decode faster through candle's 8-bit-activation kernels", quantized >> 20)));
+        if any_quantized && layer_bytes > QUANTIZED_LAYER_LIMIT && !forced {
+            return Err(unsupported(format!("quantized layers of {} MB decode faster through candle's 8-bit-activation kernels", layer_bytes >> 20)));
         }
         let mut launches = Vec::new();
         let mut kv = Vec::new();
