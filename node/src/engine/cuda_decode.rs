@@ -275,6 +275,20 @@ impl Planner<'_> {
     }
 }
 
+impl Planner<'_> {
+    /// `x += W·input`, or through a post-norm first (`h = W·input; x += norm(h)`, Gemma's blocks).
+    fn residual(&mut self, w: &Linear, input: u64, post_norm: Option<&RmsNorm>, x: u64, h: u64, hidden: usize) -> Result<Vec<Launch>> {
+        Ok(match post_norm {
+            None => vec![self.mv(&[w], input, None, MODE_ADD, x)?],
+            Some(n) => {
+                let mv = self.mv(&[w], input, None, MODE_STORE, h)?;
+                let nw = self.vector(&n.weight)?;
+                vec![mv, Launch::AddNorm { x, h, w: nw, n: hidden as i32, eps: n.eps }]
+            }
+        })
+    }
+}
+
 impl FusedDecode {
     /// Plans the step for `layers` (and, for a last shard, the final norm and LM head).
     /// An error says why these layers cannot run fused; the caller then keeps candle's path.
@@ -336,15 +350,7 @@ impl FusedDecode {
             };
             launches.push(Launch::Attend { args, layer: kv.len() });
             kv.push((a.num_kv_heads, d, dtype));
-            // o_proj: added into the residual, or through the post-attention norm first.
-            match &layer.post_attn_norm {
-                None => launches.push(p.mv(&[&a.o], attn_out, None, MODE_ADD, x)?),
-                Some(n) => {
-                    launches.push(p.mv(&[&a.o], attn_out, None, MODE_STORE, h)?);
-                    let w = p.vector(&n.weight)?;
-                    launches.push(Launch::AddNorm { x, h, w, n: hidden as i32, eps: n.eps });
-                }
-            }
+            launches.extend(p.residual(&a.o, attn_out, layer.post_attn_norm.as_ref(), x, h, hidden)?);
             let m = &layer.mlp;
             let act = p.scratch(match &m.gate.weight {
                 Matrix::Candle(QMatMul::QTensor(q)) => q.shape().dims2()?.0,
@@ -357,14 +363,7 @@ impl FusedDecode {
             };
             let w = p.vector(&layer.ffn_norm.weight)?;
             launches.push(p.mv(&[&m.gate, &m.up], x, Some((&layer.ffn_norm, w)), mode, act)?);
-            match &layer.post_ffn_norm {
-                None => launches.push(p.mv(&[&m.down], act, None, MODE_ADD, x)?),
-                Some(n) => {
-                    launches.push(p.mv(&[&m.down], act, None, MODE_STORE, h)?);
-                    let w = p.vector(&n.weight)?;
-                    launches.push(Launch::AddNorm { x, h, w, n: hidden as i32, eps: n.eps });
-                }
-            }
+            launches.extend(p.residual(&m.down, act, layer.post_ffn_norm.as_ref(), x, h, hidden)?);
         }
         let mut logits = None;
         if let Some((norm, lm_head)) = head {
