@@ -10,7 +10,7 @@
 //!     the fused one-token GPU step (`cuda_decode`) against candle's ops on the same device, fed
 //!     the same tokens: largest logit difference (within 2% of the logit range) and top-1 ids;
 //!     quantized weights are compared with candle's f32-activation kernels;
-//!   device_check time <model> [--device cuda] [--tokens 128]
+//!   device_check time <model> [--device cuda] [--tokens 128] [--fused-only]
 //!     milliseconds per decode token, waiting for each token's id (as generation does) and
 //!     queueing them all with one wait at the end, fused and with candle's ops (a diagnostic).
 //! Prints one line per check and exits non-zero on any failure. Not a timing tool.
@@ -180,7 +180,8 @@ fn main() -> anyhow::Result<()> {
         (Some("time"), Some(model)) => {
             let n: usize = flag(&args, "--tokens").map(|t| t.parse()).transpose()?.unwrap_or(128);
             let m = LoadedModel::load(model.as_ref(), &LoadOptions { device: device.clone(), ..LoadOptions::default() })?;
-            for fused in [true, false] {
+            let modes: &[bool] = if args.iter().any(|a| a == "--fused-only") { &[true] } else { &[true, false] };
+            for &fused in modes {
                 m.shard.set_fused_decode(fused);
                 for wait_each in [true, false] {
                     let mut cache = m.shard.new_cache();

@@ -526,7 +526,7 @@ extern "C" __global__ void attend(AttnArgs a) {
     __shared__ float q[ATTN_MAX_D], kn[ATTN_MAX_D], vn[ATTN_MAX_D], acc[ATTN_MAX_D];
     __shared__ float p[ATTN_CHUNK];
     __shared__ float scratch[32];
-    __shared__ float part[8][ATTN_MAX_D];
+    __shared__ float part[16][ATTN_MAX_D];  // up to 512 threads
     int h = blockIdx.x, d = a.d;
     int rep = a.heads / a.kv_heads, kvh = h / rep;
     int pos = *a.pos;

@@ -25,13 +25,14 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));
 const MODULE: &str = "shoal_decode";
 /// Threads per `mv` block: 8 warps, one output row each at a time.
 const MV_THREADS: u32 = 256;
-const ATTEND_THREADS: u32 = 256;
 /// Quantized layers larger than this decode faster through candle's kernels, which multiply by
 /// 8-bit activations (`dp4a`): measured on an H100, the fused step's f32-activation Q4_K rows
 /// win at 1.5B (~30 MB a layer: 336 against 180 tok/s) and lose at 7B (~150 MB: 119 against 170).
 const QUANTIZED_LAYER_LIMIT: u64 = 64 << 20;
-/// Input values per block for split rows (a whole number of every format's blocks).
-const SPLIT_K: usize = 2048;
+/// Launch shapes, with their defaults; `SHOAL_FUSED_<NAME>` overrides one (a tuning aid).
+fn tuned(name: &str, default: u32) -> u32 {
+    std::env::var(format!("SHOAL_FUSED_{name}")).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
 
 const FMT_F32: i32 = 0;
 const FMT_F16: i32 = 1;
@@ -133,7 +134,9 @@ pub struct FusedDecode {
     /// Per layer: (kv heads, head dim, cache dtype).
     kv: Vec<(usize, usize, DType)>,
     hidden: usize,
-    sms: u32,
+    /// Most `mv` blocks per launch (row blocks loop beyond it; 0: one block per 8 rows).
+    mv_blocks: u32,
+    attend_threads: u32,
     buffers: Mutex<Buffers>,
     /// f32 copies of norms and biases, rope tables and scratch buffers the launches point into.
     _keep: Vec<Tensor>,
@@ -183,7 +186,12 @@ fn dense_fmt(dtype: DType) -> Result<i32> {
 struct Planner<'a> {
     device: &'a Device,
     keep: Vec<Tensor>,
-    max_cols: usize,
+    max_smem: usize,
+}
+
+/// Dynamic shared memory of one `mv` block: its input slice as f32.
+fn mv_smem(a: &MvArgs) -> usize {
+    a.slice as usize * 4
 }
 
 impl Planner<'_> {
@@ -257,8 +265,10 @@ impl Planner<'_> {
         args.cols = cols as i32;
         // Long rows added into the residual are split over blocks (summed atomically), so a
         // block stages only its slice of the input and the grid has enough blocks to fill the GPU.
-        args.slice = if mode == MODE_ADD && cols > SPLIT_K { SPLIT_K as i32 } else { cols as i32 };
-        self.max_cols = self.max_cols.max(args.slice as usize);
+        // SPLIT_K: input values per block for split rows (a whole number of every format's blocks).
+        let split = (tuned("SPLIT_K", 2048) as usize).next_multiple_of(256);
+        args.slice = if mode == MODE_ADD && cols > split { split as i32 } else { cols as i32 };
+        self.max_smem = self.max_smem.max(mv_smem(&args));
         if let Some((n, w)) = norm {
             args.norm_w = w;
             args.eps = n.eps;
@@ -297,7 +307,7 @@ impl FusedDecode {
         let stream = cuda.cuda_stream();
         let load = |name: &str| cuda.get_or_load_custom_func(name, MODULE, PTX).map(|f| f.into_cuda_function());
         let (mv, attend, add_norm) = (load("mv")?, load("attend")?, load("add_norm")?);
-        let mut p = Planner { device, keep: Vec::new(), max_cols: 0 };
+        let mut p = Planner { device, keep: Vec::new(), max_smem: 0 };
         let x_t = Tensor::zeros(hidden, DType::F32, device)?;
         let x = tensor_ptr(&x_t)?;
         let pos = stream.alloc_zeros::<i32>(1).map_err(driver)?;
@@ -374,14 +384,16 @@ impl FusedDecode {
             logits = Some(t);
         }
         // Every block of `mv` stages its (normed) input, or its slice of it, in shared memory.
-        let smem = p.max_cols * 4;
+        let smem = p.max_smem;
         let ctx = stream.context();
         let optin = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(driver)? as usize;
         if smem > optin {
-            return Err(unsupported(format!("inputs of {} values need more shared memory than the GPU has", p.max_cols)));
+            return Err(unsupported(format!("inputs needing {smem} bytes of shared memory per block (the GPU has {optin})")));
         }
         mv.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(driver)?;
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(driver)? as u32;
+        let mv_blocks = sms * tuned("MV_WAVES", 4);
+        let attend_threads = tuned("ATTEND_THREADS", 512).clamp(64, 512) / 32 * 32;
         let use_graph = std::env::var("SHOAL_CUDA_GRAPH").map_or(true, |v| v != "0");
         // `SHOAL_FUSED_DECODE=0` turns the fused step off, `=1` on even for large quantized layers.
         let enabled = std::env::var("SHOAL_FUSED_DECODE").map_or(true, |v| v != "0");
@@ -394,7 +406,8 @@ impl FusedDecode {
             launches,
             kv,
             hidden,
-            sms,
+            mv_blocks,
+            attend_threads,
             buffers: Mutex::new(Buffers { x: x_t, pos, logits, graph: None }),
             _keep: p.keep,
             enabled: AtomicBool::new(enabled),
@@ -467,16 +480,17 @@ impl FusedDecode {
                 Launch::Mv { args, rows } => {
                     // A block takes 8 rows at a time, or 4 gate/up pairs.
                     let per_block = if args.mode == MODE_SILU || args.mode == MODE_GELU_TANH { MV_THREADS / 64 } else { MV_THREADS / 32 };
-                    let blocks = rows.div_ceil(per_block).clamp(1, self.sms * 4);
+                    let blocks = rows.div_ceil(per_block);
+                    let blocks = if self.mv_blocks == 0 { blocks } else { blocks.clamp(1, self.mv_blocks) };
                     let slices = (args.cols as u32).div_ceil(args.slice as u32);
-                    let cfg = LaunchConfig { grid_dim: (blocks, slices, 1), block_dim: (MV_THREADS, 1, 1), shared_mem_bytes: args.slice as u32 * 4 };
+                    let cfg = LaunchConfig { grid_dim: (blocks, slices, 1), block_dim: (MV_THREADS, 1, 1), shared_mem_bytes: mv_smem(&args) as u32 };
                     // SAFETY: `args` points at buffers kept alive by `self` (weights held by the
                     // shard, scratch in `_keep`), sized at planning for these rows and columns.
                     unsafe { self.stream.launch_builder(&self.mv).arg(&args).launch(cfg) }.map_err(driver)?;
                 }
                 Launch::Attend { mut args, layer } => {
                     (args.k_cache, args.v_cache, args.capacity) = caches[layer];
-                    let cfg = LaunchConfig { grid_dim: (args.heads as u32, 1, 1), block_dim: (ATTEND_THREADS, 1, 1), shared_mem_bytes: 0 };
+                    let cfg = LaunchConfig { grid_dim: (args.heads as u32, 1, 1), block_dim: (self.attend_threads, 1, 1), shared_mem_bytes: 0 };
                     // SAFETY: as above; the caches hold `capacity` > position rows (reserved).
                     unsafe { self.stream.launch_builder(&self.attend).arg(&args).launch(cfg) }.map_err(driver)?;
                 }
