@@ -27,7 +27,7 @@ const MODULE: &str = "shoal_decode";
 const MV_THREADS: u32 = 256;
 /// Quantized layers larger than this decode faster through candle's kernels, which multiply by
 /// 8-bit activations (`dp4a`): measured on an H100, the fused step's f32-activation Q4_K rows
-/// win at 1.5B (~30 MB a layer: 336 against 180 tok/s) and lose at 7B (~150 MB: 119 against 170).
+/// win at 1.5B (~30 MB a layer: 357 against 180 tok/s) and lose at 7B (~150 MB: 119 against 160).
 const QUANTIZED_LAYER_LIMIT: u64 = 64 << 20;
 /// Launch shapes, with their defaults; `SHOAL_FUSED_<NAME>` overrides one (a tuning aid).
 fn tuned(name: &str, default: u32) -> u32 {
