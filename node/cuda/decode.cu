@@ -37,6 +37,7 @@ struct MvArgs {
     int nseg;
     int cols;
     int slice;           // input values per block row (gridDim.y = ceil(cols / slice))
+    int q4k;             // 1: some matrix is Q4_K (the input is staged twice, see dot_q4_k)
     const float* x;      // cols
     const float* norm_w; // cols: RMSNorm the input first; null: use x as it is
     float eps;
@@ -211,53 +212,64 @@ __device__ __forceinline__ void scale_min_k4(int j, const uint32_t* q, float* sc
 
 // Q4_K: 144-byte blocks of 256 values: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes
 // of nibbles (four groups of 32 bytes: low nibbles are values 64g..64g+31, high 64g+32..64g+63).
-// A warp reads one block per step (4 nibble bytes per lane, so lanes read x in consecutive
-// 16-byte pieces, free of shared-memory bank conflicts), 4 steps per round.
-__device__ float dot_q4_k(const uint8_t* r, int cols, const float* xs) {
+// Eight lanes per block, 16 nibble bytes each; 4 blocks per step, 4 steps per round. `xp` is the
+// input in `q4k_order`, so each lane's 32 values are 8 float4 that its neighbours' interleave
+// with (no shared-memory bank conflicts).
+__device__ float dot_q4_k(const uint8_t* r, int cols, const float* xp) {
     int lane = threadIdx.x & 31;
     int nb = cols >> 8;
-    int g = lane >> 3, o = (lane & 7) * 4;  // this lane's group and its first value in it
+    int sub = lane & 7, g = sub >> 1, h = sub & 1;
     float acc = 0.f;
-    for (int b0 = 0; b0 < nb; b0 += 4) {
-        uint32_t q[4];
-        uint4 head[4];  // d and dmin, then the 12 scale bytes
+    for (int b0 = 0; b0 < nb; b0 += 16) {
+        uint4 q[4], head[4];  // head: d and dmin, then the 12 scale bytes
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            int b = b0 + k;
+            int b = b0 + 4 * k + (lane >> 3);
             if (b < nb) {
                 const uint8_t* blk = r + (size_t)b * 144;
-                q[k] = __ldg(reinterpret_cast<const uint32_t*>(blk + 16 + 32 * g + o));
+                q[k] = __ldg(reinterpret_cast<const uint4*>(blk + 16 + 32 * g + 16 * h));
                 head[k] = __ldg(reinterpret_cast<const uint4*>(blk));
             } else {
-                q[k] = 0;
-                head[k] = make_uint4(0, 0, 0, 0);
+                q[k] = head[k] = make_uint4(0, 0, 0, 0);
             }
         }
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            int b = b0 + k;
+            int b = b0 + 4 * k + (lane >> 3);
             if (b < nb) {
                 const uint32_t* hw = reinterpret_cast<const uint32_t*>(&head[k]);
                 float2 d = __half22float2(*reinterpret_cast<const __half2*>(&hw[0]));
                 float sc0, m0, sc1, m1;
                 scale_min_k4(2 * g, hw + 1, &sc0, &m0);
                 scale_min_k4(2 * g + 1, hw + 1, &sc1, &m1);
-                const float* xp = xs + b * 256 + 64 * g + o;
-                float4 xl = *reinterpret_cast<const float4*>(xp), xh = *reinterpret_cast<const float4*>(xp + 32);
-                float lo[4] = {xl.x, xl.y, xl.z, xl.w}, hi[4] = {xh.x, xh.y, xh.z, xh.w};
-                float qlo = 0.f, qhi = 0.f;
+                const float4* xv = reinterpret_cast<const float4*>(xp + b * 256) + sub;
+                const uint32_t* p = reinterpret_cast<const uint32_t*>(&q[k]);
+                float qlo = 0.f, qhi = 0.f, slo = 0.f, shi = 0.f;
 #pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    uint32_t byte = (q[k] >> (8 * c)) & 0xFF;
-                    qlo += (float)(byte & 0xF) * lo[c];
-                    qhi += (float)(byte >> 4) * hi[c];
+                for (int i = 0; i < 4; i++) {
+                    float4 xl4 = xv[i * 8], xh4 = xv[(i + 4) * 8];
+                    float xl[4] = {xl4.x, xl4.y, xl4.z, xl4.w}, xh[4] = {xh4.x, xh4.y, xh4.z, xh4.w};
+#pragma unroll
+                    for (int c = 0; c < 4; c++) {
+                        uint32_t byte = (p[i] >> (8 * c)) & 0xFF;
+                        qlo += (float)(byte & 0xF) * xl[c];
+                        qhi += (float)(byte >> 4) * xh[c];
+                        slo += xl[c];
+                        shi += xh[c];
+                    }
                 }
-                float slo = lo[0] + lo[1] + lo[2] + lo[3], shi = hi[0] + hi[1] + hi[2] + hi[3];
                 acc += d.x * (sc0 * qlo + sc1 * qhi) - d.y * (m0 * slo + m1 * shi);
             }
         }
     }
     return warp_sum(acc);
+}
+
+// Where input value v (0..255) of a block goes in `dot_q4_k`'s order: lane `sub` = 2g + h reads
+// its i-th float4 (i < 4: low nibbles, else high) at (8i + sub) * 4.
+__device__ __forceinline__ int q4k_order(int v) {
+    int g = v >> 6, rem = v & 63, hi = rem >> 5, t = rem & 31, h = t >> 4, e = t & 15;
+    return ((hi * 4 + (e >> 2)) * 8 + 2 * g + h) * 4 + (e & 3);
 }
 
 // Q6_K: 210-byte blocks of 256 values: 128 bytes of low nibbles (ql), 64 bytes of high bit pairs
@@ -328,14 +340,14 @@ __device__ __forceinline__ size_t fmt_bytes(int fmt, size_t n) {
 }
 
 // Row `row` of a matrix `cols` wide, values [k0, k0 + n), · xs[0..n).
-__device__ float dot_row(const void* w, int fmt, int row, int cols, int k0, int n, const float* xs) {
+__device__ float dot_row(const void* w, int fmt, int row, int cols, int k0, int n, const float* xs, const float* xp) {
     const uint8_t* r = reinterpret_cast<const uint8_t*>(w) + fmt_bytes(fmt, (size_t)row * cols) + fmt_bytes(fmt, k0);
     switch (fmt) {
         case FMT_F32: return dot_f32(r, n, xs);
         case FMT_F16: return dot_half<FMT_F16>(r, n, xs);
         case FMT_BF16: return dot_half<FMT_BF16>(r, n, xs);
         case FMT_Q8_0: return dot_q8_0(r, n, xs);
-        case FMT_Q4_K: return dot_q4_k(r, n, xs);
+        case FMT_Q4_K: return dot_q4_k(r, n, xp);
         default: return dot_q6_k(r, n, xs);
     }
 }
@@ -375,6 +387,12 @@ extern "C" __global__ void __launch_bounds__(256, 4) mv(MvArgs a) {
         for (int j = threadIdx.x; j < a.cols; j += blockDim.x) xs[j] *= rinv * a.norm_w[j];
     }
     __syncthreads();
+    // For Q4_K rows: a second copy of the input in `q4k_order` (after xs).
+    float* xp = xs + kn;
+    if (a.q4k) {
+        for (int j = threadIdx.x; j < kn; j += blockDim.x) xp[(j & ~255) + q4k_order(j & 255)] = xs[j];
+        __syncthreads();
+    }
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int warps = blockDim.x >> 5;
     if (a.mode == MODE_SILU || a.mode == MODE_GELU_TANH) {
@@ -384,7 +402,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) mv(MvArgs a) {
             int r = base + (warp >> 1);
             Seg sg = seg_at(a, warp & 1);
             if (r < total) {
-                float y = dot_row(sg.w, sg.fmt, r, a.cols, 0, a.cols, xs);
+                float y = dot_row(sg.w, sg.fmt, r, a.cols, 0, a.cols, xs, xp);
                 if (lane == 0) pair[warp] = y + (sg.bias ? sg.bias[r] : 0.f);
             }
             __syncthreads();
@@ -408,7 +426,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) mv(MvArgs a) {
                 sg = a.seg[2];
             }
         }
-        float y = dot_row(sg.w, sg.fmt, lr, a.cols, k0, kn, xs);
+        float y = dot_row(sg.w, sg.fmt, lr, a.cols, k0, kn, xs, xp);
         if (lane == 0) {
             if (sg.bias && k0 == 0) y += sg.bias[lr];
             if (a.mode != MODE_ADD) a.out[r] = y;

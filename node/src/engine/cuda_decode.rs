@@ -25,10 +25,6 @@ const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));
 const MODULE: &str = "shoal_decode";
 /// Threads per `mv` block: 8 warps, one output row each at a time.
 const MV_THREADS: u32 = 256;
-/// Quantized layers larger than this decode faster through candle's kernels, which multiply by
-/// 8-bit activations (`dp4a`): measured on an H100, the fused step's f32-activation Q4_K rows
-/// win at 1.5B (~30 MB a layer: 357 against 180 tok/s) and lose at 7B (~150 MB: 119 against 160).
-const QUANTIZED_LAYER_LIMIT: u64 = 64 << 20;
 /// Launch shapes, with their defaults; `SHOAL_FUSED_<NAME>` overrides one (a tuning aid).
 fn tuned(name: &str, default: u32) -> u32 {
     std::env::var(format!("SHOAL_FUSED_{name}")).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -64,6 +60,7 @@ struct MvArgs {
     nseg: i32,
     cols: i32,
     slice: i32,
+    q4k: i32,
     x: u64,
     norm_w: u64,
     eps: f32,
@@ -189,9 +186,10 @@ struct Planner<'a> {
     max_smem: usize,
 }
 
-/// Dynamic shared memory of one `mv` block: its input slice as f32.
+/// Dynamic shared memory of one `mv` block: its input slice as f32, twice for Q4_K rows (the
+/// second copy in the order their kernel reads).
 fn mv_smem(a: &MvArgs) -> usize {
-    a.slice as usize * 4
+    a.slice as usize * 4 * if a.q4k != 0 { 2 } else { 1 }
 }
 
 impl Planner<'_> {
@@ -268,6 +266,7 @@ impl Planner<'_> {
         // SPLIT_K: input values per block for split rows (a whole number of every format's blocks).
         let split = (tuned("SPLIT_K", 2048) as usize).next_multiple_of(256);
         args.slice = if mode == MODE_ADD && cols > split { split as i32 } else { cols as i32 };
+        args.q4k = i32::from(args.seg[..parts.len()].iter().any(|s| s.fmt == FMT_Q4_K));
         self.max_smem = self.max_smem.max(mv_smem(&args));
         if let Some((n, w)) = norm {
             args.norm_w = w;
@@ -313,12 +312,6 @@ impl FusedDecode {
         let pos = stream.alloc_zeros::<i32>(1).map_err(driver)?;
         let pos_ptr = pos.device_ptr(&stream).0;
         let cache_fmt = dense_fmt(dtype)?;
-        let forced = std::env::var("SHOAL_FUSED_DECODE").is_ok_and(|v| v == "1");
-        let layer_bytes: u64 = layers.iter().map(|l| l.weight_bytes()).sum::<u64>() / layers.len().max(1) as u64;
-        let any_quantized = layers.iter().any(|l| matches!(&l.mlp.down.weight, Matrix::Candle(QMatMul::QTensor(q)) if !matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)));
-        if any_quantized && layer_bytes > QUANTIZED_LAYER_LIMIT && !forced {
-            return Err(unsupported(format!("quantized layers of {} MB decode faster through candle's 8-bit-activation kernels", layer_bytes >> 20)));
-        }
         let mut launches = Vec::new();
         let mut kv = Vec::new();
         let h = p.scratch(hidden)?;
@@ -395,7 +388,7 @@ impl FusedDecode {
         let mv_blocks = sms * tuned("MV_WAVES", 4);
         let attend_threads = tuned("ATTEND_THREADS", 512).clamp(64, 512) / 32 * 32;
         let use_graph = std::env::var("SHOAL_CUDA_GRAPH").map_or(true, |v| v != "0");
-        // `SHOAL_FUSED_DECODE=0` turns the fused step off, `=1` on even for large quantized layers.
+        // `SHOAL_FUSED_DECODE=0` turns the fused step off (a diagnostic).
         let enabled = std::env::var("SHOAL_FUSED_DECODE").map_or(true, |v| v != "0");
         let profile = std::env::var("SHOAL_FUSED_PROFILE").is_ok_and(|v| v == "1").then(|| Mutex::new((0, vec![std::time::Duration::ZERO; 8])));
         Ok(FusedDecode {
