@@ -170,6 +170,15 @@ fn tensor_ptr(t: &Tensor) -> Result<u64> {
     Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
 }
 
+/// (rows, cols) of a linear layer's matrix as candle holds it on the GPU.
+fn shape(l: &Linear) -> Result<(usize, usize)> {
+    match &l.weight {
+        Matrix::Candle(QMatMul::QTensor(q)) => Ok(q.shape().dims2()?),
+        Matrix::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => Ok(t.dims2()?),
+        Matrix::Packed(_) => Err(unsupported("weights are packed for the CPU")),
+    }
+}
+
 fn dense_fmt(dtype: DType) -> Result<i32> {
     match dtype {
         DType::F32 => Ok(FMT_F32),
@@ -210,7 +219,8 @@ impl Planner<'_> {
 
     /// One matrix as a segment, with its input width.
     fn seg(&mut self, l: &Linear) -> Result<(Seg, usize)> {
-        let (w, fmt, rows, cols) = match &l.weight {
+        let (rows, cols) = shape(l)?;
+        let (w, fmt) = match &l.weight {
             Matrix::Candle(QMatMul::QTensor(q)) => {
                 let fmt = match q.dtype() {
                     GgmlDType::F32 => FMT_F32,
@@ -221,13 +231,9 @@ impl Planner<'_> {
                     GgmlDType::Q6K => FMT_Q6_K,
                     other => return Err(unsupported(format!("no decode kernel for {other:?} weights"))),
                 };
-                let (rows, cols) = q.shape().dims2()?;
-                (q.device_ptr()? as u64, fmt, rows, cols)
+                (q.device_ptr()? as u64, fmt)
             }
-            Matrix::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
-                let (rows, cols) = t.dims2()?;
-                (tensor_ptr(t)?, dense_fmt(t.dtype())?, rows, cols)
-            }
+            Matrix::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => (tensor_ptr(t)?, dense_fmt(t.dtype())?),
             Matrix::Packed(_) => return Err(unsupported("weights are packed for the CPU")),
         };
         // The kernels' vector loads: 16-byte aligned rows of whole blocks.
@@ -249,7 +255,7 @@ impl Planner<'_> {
     }
 
     /// `out (=|+=) W·norm(x)` over `parts` stacked by rows.
-    fn mv(&mut self, parts: &[&Linear], x: u64, norm: Option<(&RmsNorm, u64)>, mode: i32, out: u64) -> Result<Launch> {
+    fn mv(&mut self, parts: &[&Linear], x: u64, norm: Option<&RmsNorm>, mode: i32, out: u64) -> Result<Launch> {
         let mut args = MvArgs { nseg: parts.len() as i32, x, mode, out, ..MvArgs::default() };
         let mut width = None;
         for (i, l) in parts.iter().enumerate() {
@@ -268,8 +274,8 @@ impl Planner<'_> {
         args.slice = if mode == MODE_ADD && cols > split { split as i32 } else { cols as i32 };
         args.q4k = i32::from(args.seg[..parts.len()].iter().any(|s| s.fmt == FMT_Q4_K));
         self.max_smem = self.max_smem.max(mv_smem(&args));
-        if let Some((n, w)) = norm {
-            args.norm_w = w;
+        if let Some(n) = norm {
+            args.norm_w = self.vector(&n.weight)?;
             args.eps = n.eps;
         }
         let rows = if mode == MODE_SILU || mode == MODE_GELU_TANH {
@@ -282,9 +288,7 @@ impl Planner<'_> {
         };
         Ok(Launch::Mv { args, rows: rows as u32 })
     }
-}
 
-impl Planner<'_> {
     /// `x += W·input`, or through a post-norm first (`h = W·input; x += norm(h)`, Gemma's blocks).
     fn residual(&mut self, w: &Linear, input: u64, post_norm: Option<&RmsNorm>, x: u64, h: u64, hidden: usize) -> Result<Vec<Launch>> {
         Ok(match post_norm {
@@ -326,8 +330,7 @@ impl FusedDecode {
             }
             let qkv = p.scratch((a.num_heads + 2 * a.num_kv_heads) * d)?;
             let attn_out = p.scratch(a.num_heads * d)?;
-            let w = p.vector(&layer.attn_norm.weight)?;
-            launches.push(p.mv(&[&a.q, &a.k, &a.v], x, Some((&layer.attn_norm, w)), MODE_STORE, qkv)?);
+            launches.push(p.mv(&[&a.q, &a.k, &a.v], x, Some(&layer.attn_norm), MODE_STORE, qkv)?);
             let inv_freq = Tensor::new(layer.rope.inv_freq(d), device)?;
             let inv_freq_ptr = tensor_ptr(&inv_freq)?;
             p.keep.push(inv_freq);
@@ -355,25 +358,18 @@ impl FusedDecode {
             kv.push((a.num_kv_heads, d, dtype));
             launches.extend(p.residual(&a.o, attn_out, layer.post_attn_norm.as_ref(), x, h, hidden)?);
             let m = &layer.mlp;
-            let act = p.scratch(match &m.gate.weight {
-                Matrix::Candle(QMatMul::QTensor(q)) => q.shape().dims2()?.0,
-                Matrix::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => t.dims2()?.0,
-                Matrix::Packed(_) => return Err(unsupported("weights are packed for the CPU")),
-            })?;
+            let act = p.scratch(shape(&m.gate)?.0)?;
             let mode = match m.activation {
                 Activation::Silu => MODE_SILU,
                 Activation::GeluTanh => MODE_GELU_TANH,
             };
-            let w = p.vector(&layer.ffn_norm.weight)?;
-            launches.push(p.mv(&[&m.gate, &m.up], x, Some((&layer.ffn_norm, w)), mode, act)?);
+            launches.push(p.mv(&[&m.gate, &m.up], x, Some(&layer.ffn_norm), mode, act)?);
             launches.extend(p.residual(&m.down, act, layer.post_ffn_norm.as_ref(), x, h, hidden)?);
         }
         let mut logits = None;
         if let Some((norm, lm_head)) = head {
-            let (seg, _) = p.seg(lm_head)?;
-            let t = Tensor::zeros((1, seg.rows as usize), DType::F32, device)?;
-            let w = p.vector(&norm.weight)?;
-            launches.push(p.mv(&[lm_head], x, Some((norm, w)), MODE_STORE, tensor_ptr(&t)?)?);
+            let t = Tensor::zeros((1, shape(lm_head)?.0), DType::F32, device)?;
+            launches.push(p.mv(&[lm_head], x, Some(norm), MODE_STORE, tensor_ptr(&t)?)?);
             logits = Some(t);
         }
         // Every block of `mv` stages its (normed) input, or its slice of it, in shared memory.
