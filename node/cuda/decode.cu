@@ -19,6 +19,7 @@
 #define FMT_Q8_0 8
 #define FMT_Q4_K 12
 #define FMT_Q6_K 14
+#define FMT_ANY -1  // a kernel instance for matrices of mixed formats
 
 #define MODE_STORE 0
 #define MODE_ADD 1
@@ -44,6 +45,23 @@ struct MvArgs {
     int mode;
     float* out;
 };
+
+// Programmatic dependent launch (Hopper on): `allow_next_kernel` lets the next kernel's blocks
+// start while this one runs; `wait_for_previous_kernel` waits until the previous one has
+// finished and its writes are visible. Every kernel waits before it reads what another wrote,
+// so a launch may allow overlap whatever kernel comes next. Both are no-ops on a launch that
+// does not allow overlap, and compiled out before sm_90.
+__device__ __forceinline__ void allow_next_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -102,37 +120,47 @@ __device__ __forceinline__ void widen2(uint32_t p, int fmt, float* lo, float* hi
     }
 }
 
-// f16/bf16 rows: 8 values (16 bytes) per lane per step, 8 steps (2048 values) per round.
-template <int FMT>
-__device__ float dot_half(const uint8_t* rp, int cols, const float* xs) {
+// f16/bf16 rows: 8 values (16 bytes) per lane per step, 8 / R steps (2048 / R values) per round,
+// R rows at once (their loads in flight together, each x value read once for all R).
+template <int FMT, int R>
+__device__ __forceinline__ void dot_half(const uint8_t* const* rows, int cols, const float* xs, float* out) {
+    constexpr int STEPS = 8 / R;
     int lane = threadIdx.x & 31;
-    const uint16_t* r = reinterpret_cast<const uint16_t*>(rp);
-    float acc = 0.f;
-    for (int base = 0; base < cols; base += 8 * 256) {
-        uint4 u[8];
+    float acc[R];
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
+    for (int rr = 0; rr < R; rr++) acc[rr] = 0.f;
+    for (int base = 0; base < cols; base += STEPS * 256) {
+        uint4 u[STEPS][R];
+#pragma unroll
+        for (int k = 0; k < STEPS; k++) {
             int j = base + k * 256 + lane * 8;
-            u[k] = j < cols ? __ldg(reinterpret_cast<const uint4*>(r + j)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int rr = 0; rr < R; rr++)
+                u[k][rr] = j < cols ? __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(rows[rr]) + j)) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
-        for (int k = 0; k < 8; k++) {
+        for (int k = 0; k < STEPS; k++) {
             int j = base + k * 256 + lane * 8;
             if (j < cols) {
-                const uint32_t* p = reinterpret_cast<const uint32_t*>(&u[k]);
                 // x as two 16-byte shared loads (scalar loads 8 values apart would conflict).
                 float4 xa = *reinterpret_cast<const float4*>(xs + j), xb = *reinterpret_cast<const float4*>(xs + j + 4);
                 float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    float lo, hi;
-                    widen2(p[e], FMT, &lo, &hi);
-                    acc += lo * xv[2 * e] + hi * xv[2 * e + 1];
+                for (int rr = 0; rr < R; rr++) {
+                    const uint32_t* p = reinterpret_cast<const uint32_t*>(&u[k][rr]);
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        float lo, hi;
+                        widen2(p[e], FMT, &lo, &hi);
+                        acc[rr] = fmaf(lo, xv[2 * e], acc[rr]);
+                        acc[rr] = fmaf(hi, xv[2 * e + 1], acc[rr]);
+                    }
                 }
             }
         }
     }
-    return warp_sum(acc);
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) out[rr] = warp_sum(acc[rr]);
 }
 
 // f32 rows: 4 values per lane per step, 8 steps (1024 values) per round.
@@ -197,72 +225,117 @@ __device__ float dot_q8_0(const uint8_t* r, int cols, const float* xs) {
     return warp_sum(acc);
 }
 
-__device__ __forceinline__ uint32_t byte_of(const uint32_t* w, int j) { return (w[j >> 2] >> (8 * (j & 3))) & 0xFF; }
-
-// The 6-bit scale and min of sub-block j (0..7) from a K-quant's 12 packed bytes.
+// The 6-bit scale and min of sub-block j (0..7) from a K-quant's 12 packed bytes (3 words). The
+// words are picked by j's half and the byte by shifts: indexing them with a lane-dependent j
+// would put them in local memory.
 __device__ __forceinline__ void scale_min_k4(int j, const uint32_t* q, float* sc, float* m) {
+    int shift = 8 * (j & 3);
+    uint32_t b0 = (q[0] >> shift) & 0xFF, b1 = (q[1] >> shift) & 0xFF, b2 = (q[2] >> shift) & 0xFF;
     if (j < 4) {
-        *sc = (float)(byte_of(q, j) & 63);
-        *m = (float)(byte_of(q, j + 4) & 63);
+        *sc = (float)(b0 & 63);
+        *m = (float)(b1 & 63);
     } else {
-        *sc = (float)((byte_of(q, j + 4) & 0xF) | ((byte_of(q, j - 4) >> 6) << 4));
-        *m = (float)((byte_of(q, j + 4) >> 4) | ((byte_of(q, j) >> 6) << 4));
+        *sc = (float)((b2 & 0xF) | ((b0 >> 6) << 4));
+        *m = (float)((b2 >> 4) | ((b1 >> 6) << 4));
     }
 }
 
 // Q4_K: 144-byte blocks of 256 values: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes
 // of nibbles (four groups of 32 bytes: low nibbles are values 64g..64g+31, high 64g+32..64g+63).
-// Eight lanes per block, 16 nibble bytes each; 4 blocks per step, 4 steps per round. `xp` is the
-// input in `q4k_order`, so each lane's 32 values are 8 float4 that its neighbours' interleave
-// with (no shared-memory bank conflicts).
-__device__ float dot_q4_k(const uint8_t* r, int cols, const float* xp) {
+// Eight lanes per block, 16 nibble bytes each; 4 blocks per step, 6 / R steps per round, R rows
+// at once (their loads in flight together, each x value read once for all R). `xp` is the input
+// in `q4k_order`, so each lane's 32 values are 8 float4 that its neighbours' interleave with (no
+// shared-memory bank conflicts); `xsum` holds the sums of each 16 consecutive input values (the
+// mins' term needs only those).
+//
+// A nibble becomes a float without an integer conversion (a quarter-rate instruction that bound
+// this loop): masked in place under the exponent of 2^e whose last mantissa bit it fills, it
+// reads as 2^e + n exactly, and one subtraction leaves n.
+// (The mask and the exponent go in as registers so that `(w & mask) | pow2` is one LOP3: an
+// instruction takes only one immediate, and the compiler would split it in two.)
+__device__ __forceinline__ float nibble(uint32_t w, uint32_t mask, uint32_t pow2) {
+    uint32_t bits;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(bits) : "r"(w), "r"(mask), "r"(pow2));
+    return __uint_as_float(bits) - __uint_as_float(pow2);
+}
+#define P23 0x4B000000u  // 2^23: a nibble in bits 0..3
+#define P19 0x49000000u  // bits 4..7
+#define P15 0x47000000u  // bits 8..11
+#define P11 0x45000000u  // bits 12..15
+
+template <int R>
+__device__ __forceinline__ void dot_q4_k(const uint8_t* const* rows, int cols, const float* xp, const float* xsum, float* out) {
+    constexpr int STEPS = 6 / R;  // 8 / R spills registers
     int lane = threadIdx.x & 31;
     int nb = cols >> 8;
     int sub = lane & 7, g = sub >> 1, h = sub & 1;
-    float acc = 0.f;
-    for (int b0 = 0; b0 < nb; b0 += 16) {
-        uint4 q[4], head[4];  // head: d and dmin, then the 12 scale bytes
+    float acc[R];
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < R; k++) acc[k] = 0.f;
+    for (int b0 = 0; b0 < nb; b0 += 4 * STEPS) {
+        // Each lane loads one word of its block's 16-byte head (d and dmin, then the 12 scale
+        // bytes) and takes the others from its neighbours: 1 register a block, not 4.
+        uint4 q[STEPS][R];
+        uint32_t head[STEPS][R];
+#pragma unroll
+        for (int k = 0; k < STEPS; k++) {
             int b = b0 + 4 * k + (lane >> 3);
-            if (b < nb) {
-                const uint8_t* blk = r + (size_t)b * 144;
-                q[k] = __ldg(reinterpret_cast<const uint4*>(blk + 16 + 32 * g + 16 * h));
-                head[k] = __ldg(reinterpret_cast<const uint4*>(blk));
-            } else {
-                q[k] = head[k] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int rr = 0; rr < R; rr++) {
+                if (b < nb) {
+                    const uint8_t* blk = rows[rr] + (size_t)b * 144;
+                    q[k][rr] = __ldg(reinterpret_cast<const uint4*>(blk + 16 + 32 * g + 16 * h));
+                    head[k][rr] = __ldg(reinterpret_cast<const uint32_t*>(blk) + (sub & 3));
+                } else {
+                    q[k][rr] = make_uint4(0, 0, 0, 0);
+                    head[k][rr] = 0;
+                }
             }
         }
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
+        for (int k = 0; k < STEPS; k++) {
             int b = b0 + 4 * k + (lane >> 3);
+            uint32_t hws[R][4];
+#pragma unroll
+            for (int rr = 0; rr < R; rr++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) hws[rr][i] = __shfl_sync(0xffffffffu, head[k][rr], (lane & ~7) | i);
             if (b < nb) {
-                const uint32_t* hw = reinterpret_cast<const uint32_t*>(&head[k]);
-                float2 d = __half22float2(*reinterpret_cast<const __half2*>(&hw[0]));
-                float sc0, m0, sc1, m1;
-                scale_min_k4(2 * g, hw + 1, &sc0, &m0);
-                scale_min_k4(2 * g + 1, hw + 1, &sc1, &m1);
                 const float4* xv = reinterpret_cast<const float4*>(xp + b * 256) + sub;
-                const uint32_t* p = reinterpret_cast<const uint32_t*>(&q[k]);
-                float qlo = 0.f, qhi = 0.f, slo = 0.f, shi = 0.f;
+                float slo = xsum[b * 16 + 4 * g + h], shi = xsum[b * 16 + 4 * g + 2 + h];
+                float qlo[R], qhi[R];
+#pragma unroll
+                for (int rr = 0; rr < R; rr++) qlo[rr] = qhi[rr] = 0.f;
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    float4 xl4 = xv[i * 8], xh4 = xv[(i + 4) * 8];
-                    float xl[4] = {xl4.x, xl4.y, xl4.z, xl4.w}, xh[4] = {xh4.x, xh4.y, xh4.z, xh4.w};
+                    float4 xl = xv[i * 8], xh = xv[(i + 4) * 8];
 #pragma unroll
-                    for (int c = 0; c < 4; c++) {
-                        uint32_t byte = (p[i] >> (8 * c)) & 0xFF;
-                        qlo += (float)(byte & 0xF) * xl[c];
-                        qhi += (float)(byte >> 4) * xh[c];
-                        slo += xl[c];
-                        shi += xh[c];
+                    for (int rr = 0; rr < R; rr++) {
+                        uint32_t w = reinterpret_cast<const uint32_t*>(&q[k][rr])[i], w16 = w >> 16;
+                        qlo[rr] = fmaf(nibble(w, 0xF, P23), xl.x, qlo[rr]);
+                        qlo[rr] = fmaf(nibble(w, 0xF00, P15), xl.y, qlo[rr]);
+                        qlo[rr] = fmaf(nibble(w16, 0xF, P23), xl.z, qlo[rr]);
+                        qlo[rr] = fmaf(nibble(w16, 0xF00, P15), xl.w, qlo[rr]);
+                        qhi[rr] = fmaf(nibble(w, 0xF0, P19), xh.x, qhi[rr]);
+                        qhi[rr] = fmaf(nibble(w, 0xF000, P11), xh.y, qhi[rr]);
+                        qhi[rr] = fmaf(nibble(w16, 0xF0, P19), xh.z, qhi[rr]);
+                        qhi[rr] = fmaf(nibble(w16, 0xF000, P11), xh.w, qhi[rr]);
                     }
                 }
-                acc += d.x * (sc0 * qlo + sc1 * qhi) - d.y * (m0 * slo + m1 * shi);
+#pragma unroll
+                for (int rr = 0; rr < R; rr++) {
+                    const uint32_t* hw = hws[rr];
+                    float2 d = __half22float2(*reinterpret_cast<const __half2*>(&hw[0]));
+                    float sc0, m0, sc1, m1;
+                    scale_min_k4(2 * g, hw + 1, &sc0, &m0);
+                    scale_min_k4(2 * g + 1, hw + 1, &sc1, &m1);
+                    acc[rr] += d.x * (sc0 * qlo[rr] + sc1 * qhi[rr]) - d.y * (m0 * slo + m1 * shi);
+                }
             }
         }
     }
-    return warp_sum(acc);
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) out[rr] = warp_sum(acc[rr]);
 }
 
 // Where input value v (0..255) of a block goes in `dot_q4_k`'s order: lane `sub` = 2g + h reads
@@ -339,22 +412,57 @@ __device__ __forceinline__ size_t fmt_bytes(int fmt, size_t n) {
     }
 }
 
-// Row `row` of a matrix `cols` wide, values [k0, k0 + n), · xs[0..n).
-__device__ float dot_row(const void* w, int fmt, int row, int cols, int k0, int n, const float* xs, const float* xp) {
-    const uint8_t* r = reinterpret_cast<const uint8_t*>(w) + fmt_bytes(fmt, (size_t)row * cols) + fmt_bytes(fmt, k0);
-    switch (fmt) {
-        case FMT_F32: return dot_f32(r, n, xs);
-        case FMT_F16: return dot_half<FMT_F16>(r, n, xs);
-        case FMT_BF16: return dot_half<FMT_BF16>(r, n, xs);
-        case FMT_Q8_0: return dot_q8_0(r, n, xs);
-        case FMT_Q4_K: return dot_q4_k(r, n, xp);
-        default: return dot_q6_k(r, n, xs);
+// The start of row `row` of a matrix `cols` wide, from input value k0 on.
+__device__ __forceinline__ const uint8_t* row_at(const void* w, int fmt, int row, int cols, int k0) {
+    return reinterpret_cast<const uint8_t*>(w) + fmt_bytes(fmt, (size_t)row * cols) + fmt_bytes(fmt, k0);
+}
+
+// The staged input of one `mv` block: as loaded (and normed), and for Q4_K rows in
+// `q4k_order` with the sums of each 16 values.
+struct Staged {
+    const float* xs;
+    const float* xp;
+    const float* xsum;
+};
+
+// Row `row` of a matrix `cols` wide, values [k0, k0 + n), · the staged input. F: the format
+// every matrix of the kernel instance has (the switch folds away), or FMT_ANY (`fmt` decides).
+template <int F>
+__device__ __forceinline__ float dot_row(const void* w, int fmt, int row, int cols, int k0, int n, Staged in) {
+    int f = F == FMT_ANY ? fmt : F;
+    const uint8_t* r = row_at(w, f, row, cols, k0);
+    float y;
+    switch (f) {
+        case FMT_F32: return dot_f32(r, n, in.xs);
+        case FMT_F16: dot_half<FMT_F16, 1>(&r, n, in.xs, &y); return y;
+        case FMT_BF16: dot_half<FMT_BF16, 1>(&r, n, in.xs, &y); return y;
+        case FMT_Q8_0: return dot_q8_0(r, n, in.xs);
+        case FMT_Q4_K: dot_q4_k<1>(&r, n, in.xp, in.xsum, &y); return y;
+        default: return dot_q6_k(r, n, in.xs);
     }
 }
 
-// Segment `i` of the arguments, chosen with constant indices: indexing the kernel parameter
-// with a variable would copy all of it to local memory in every thread.
-__device__ __forceinline__ Seg seg_at(const MvArgs& a, int i) { return i == 0 ? a.seg[0] : (i == 1 ? a.seg[1] : a.seg[2]); }
+// Segment of stacked row `r` (rows of seg[0], then seg[1], then seg[2]); `r` becomes its row there.
+__device__ __forceinline__ Seg seg_of_row(const MvArgs& a, int* r) {
+    Seg sg = a.seg[0];
+    if (a.nseg > 1 && *r >= sg.rows) {
+        *r -= sg.rows;
+        sg = a.seg[1];
+        if (a.nseg > 2 && *r >= sg.rows) {
+            *r -= sg.rows;
+            sg = a.seg[2];
+        }
+    }
+    return sg;
+}
+
+// Pulls the first 2 KB of `bytes` from `p` on into L2, the warp's lanes taking alternate
+// 128-byte lines. (Whole first rows, tens of MB over a grid, evicted each other.)
+__device__ __forceinline__ void prefetch_l2(const uint8_t* p, size_t bytes, int lane) {
+    const uint8_t* end = p + min(bytes, (size_t)2048);
+    for (const uint8_t* q = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(p) & ~(uintptr_t)127) + lane * 128; q < end; q += 32 * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(q));
+}
 
 __device__ __forceinline__ float silu(float g) { return g / (1.f + expf(-g)); }
 
@@ -362,17 +470,26 @@ __device__ __forceinline__ float gelu_tanh(float g) {
     return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
 }
 
-// out = W · norm(x) over up to three stacked matrices (one warp per output row). Modes: store,
-// add into out (a residual), or gated: out[i] = act(gate_i) · up_i with seg[0] = gate, seg[1] = up
-// (a warp pair per i: one takes the gate row, its neighbour the up row, both loading at once).
-extern "C" __global__ void __launch_bounds__(256, 4) mv(MvArgs a) {
-    extern __shared__ float4 xs4[];  // float4: 16-byte aligned for the vector loads
-    float* xs = reinterpret_cast<float*>(xs4);
+// Stages one `mv` block's input (values [k0, k0 + kn), RMSNormed first when `norm_w` is set)
+// in shared memory, and for Q4_K rows also in `q4k_order` with the sums of each 16 values.
+//
+// Before it waits for the previous kernel, each warp pulls the start of its first rows, which
+// depend on nothing, into L2.
+__device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int first, int total, float* xs) {
     __shared__ float scratch[32];
-    __shared__ float pair[8];
-    // Split-K (MODE_ADD only): block row y takes input values [k0, k0 + kn) and adds its
-    // partial sums atomically.
-    int k0 = blockIdx.y * a.slice, kn = min(a.slice, a.cols - k0);
+    int lane = threadIdx.x & 31;
+    allow_next_kernel();
+    if (first < total) {
+        if (gated) {
+            prefetch_l2(row_at(a.seg[0].w, a.seg[0].fmt, first, a.cols, 0), fmt_bytes(a.seg[0].fmt, a.cols), lane);
+            prefetch_l2(row_at(a.seg[1].w, a.seg[1].fmt, first, a.cols, 0), fmt_bytes(a.seg[1].fmt, a.cols), lane);
+        } else {
+            int lr = first;
+            Seg sg = seg_of_row(a, &lr);
+            prefetch_l2(row_at(sg.w, sg.fmt, lr, a.cols, k0), fmt_bytes(sg.fmt, kn), lane);
+        }
+    }
+    wait_for_previous_kernel();
     float ss = 0.f;
 #pragma unroll 4
     for (int j = threadIdx.x; j < kn; j += blockDim.x) {
@@ -387,46 +504,36 @@ extern "C" __global__ void __launch_bounds__(256, 4) mv(MvArgs a) {
         for (int j = threadIdx.x; j < a.cols; j += blockDim.x) xs[j] *= rinv * a.norm_w[j];
     }
     __syncthreads();
-    // For Q4_K rows: a second copy of the input in `q4k_order` (after xs).
     float* xp = xs + kn;
+    float* xsum = xp + kn;
     if (a.q4k) {
         for (int j = threadIdx.x; j < kn; j += blockDim.x) xp[(j & ~255) + q4k_order(j & 255)] = xs[j];
+        for (int t = threadIdx.x; t < kn / 16; t += blockDim.x) {
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < 16; j++) sum += xs[16 * t + ((j + t) & 15)];  // rotated: no bank conflicts
+            xsum[t] = sum;
+        }
         __syncthreads();
     }
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int warps = blockDim.x >> 5;
-    if (a.mode == MODE_SILU || a.mode == MODE_GELU_TANH) {
-        int total = a.seg[0].rows, per_block = warps / 2;
-        // Block-uniform trip count: the barriers below are reached by every warp.
-        for (int base = blockIdx.x * per_block; base < total; base += gridDim.x * per_block) {
-            int r = base + (warp >> 1);
-            Seg sg = seg_at(a, warp & 1);
-            if (r < total) {
-                float y = dot_row(sg.w, sg.fmt, r, a.cols, 0, a.cols, xs, xp);
-                if (lane == 0) pair[warp] = y + (sg.bias ? sg.bias[r] : 0.f);
-            }
-            __syncthreads();
-            if (r < total && (warp & 1) == 0 && lane == 0) {
-                float g = pair[warp], u = pair[warp + 1];
-                a.out[r] = (a.mode == MODE_SILU ? silu(g) : gelu_tanh(g)) * u;
-            }
-            __syncthreads();
-        }
-        return;
-    }
+    return Staged{xs, xp, xsum};
+}
+
+// out (=|+=) W · norm(x) over up to three stacked matrices, one warp per output row. Long rows
+// added into the residual are split over block rows (split-K): block row y takes input values
+// [k0, k0 + kn) and adds its partial sums atomically.
+template <int F>
+__device__ void mv_rows(const MvArgs& a) {
+    extern __shared__ float4 xs4[];  // float4: 16-byte aligned for the vector loads
+    int k0 = blockIdx.y * a.slice, kn = min(a.slice, a.cols - k0);
+    int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    int first = blockIdx.x * warps + (threadIdx.x >> 5);
     int total = a.seg[0].rows + (a.nseg > 1 ? a.seg[1].rows : 0) + (a.nseg > 2 ? a.seg[2].rows : 0);
-    for (int r = blockIdx.x * warps + warp; r < total; r += gridDim.x * warps) {
+    Staged in = stage_input(a, k0, kn, false, first, total, reinterpret_cast<float*>(xs4));
+    for (int r = first; r < total; r += gridDim.x * warps) {
         int lr = r;
-        Seg sg = a.seg[0];
-        if (a.nseg > 1 && lr >= sg.rows) {
-            lr -= sg.rows;
-            sg = a.seg[1];
-            if (a.nseg > 2 && lr >= sg.rows) {
-                lr -= sg.rows;
-                sg = a.seg[2];
-            }
-        }
-        float y = dot_row(sg.w, sg.fmt, lr, a.cols, k0, kn, xs, xp);
+        Seg sg = seg_of_row(a, &lr);
+        float y = dot_row<F>(sg.w, sg.fmt, lr, a.cols, k0, kn, in);
         if (lane == 0) {
             if (sg.bias && k0 == 0) y += sg.bias[lr];
             if (a.mode != MODE_ADD) a.out[r] = y;
@@ -436,9 +543,52 @@ extern "C" __global__ void __launch_bounds__(256, 4) mv(MvArgs a) {
     }
 }
 
+// out[i] = act(gate_i · norm(x)) · (up_i · norm(x)) with seg[0] = gate, seg[1] = up: one warp
+// per i takes both rows, loading them together where both are f16, bf16 or Q4_K.
+template <int F>
+__device__ void mv_gated_rows(const MvArgs& a) {
+    extern __shared__ float4 xs4[];
+    int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    int first = blockIdx.x * warps + (threadIdx.x >> 5);
+    Seg gs = a.seg[0], us = a.seg[1];
+    Staged in = stage_input(a, 0, a.cols, true, first, gs.rows, reinterpret_cast<float*>(xs4));
+    for (int r = first; r < gs.rows; r += gridDim.x * warps) {
+        float gu[2];
+        const uint8_t* rows[2] = {row_at(gs.w, gs.fmt, r, a.cols, 0), row_at(us.w, us.fmt, r, a.cols, 0)};
+        if (F == FMT_Q4_K) {
+            dot_q4_k<2>(rows, a.cols, in.xp, in.xsum, gu);
+        } else if (F == FMT_F16) {
+            dot_half<FMT_F16, 2>(rows, a.cols, in.xs, gu);
+        } else if (F == FMT_BF16) {
+            dot_half<FMT_BF16, 2>(rows, a.cols, in.xs, gu);
+        } else {
+            gu[0] = dot_row<F>(gs.w, gs.fmt, r, a.cols, 0, a.cols, in);
+            gu[1] = dot_row<F>(us.w, us.fmt, r, a.cols, 0, a.cols, in);
+        }
+        if (lane == 0) {
+            float g = gu[0] + (gs.bias ? gs.bias[r] : 0.f), u = gu[1] + (us.bias ? us.bias[r] : 0.f);
+            a.out[r] = (a.mode == MODE_SILU ? silu(g) : gelu_tanh(g)) * u;
+        }
+    }
+}
+
+// One instance of each kernel per weight format, each with registers for its own loop only,
+// and one for launches whose matrices differ in format: mv_<fmt>, mv_gated_<fmt>.
+#define MV_KERNELS(NAME, F)                                                                            \
+    extern "C" __global__ void __launch_bounds__(256, 4) mv_##NAME(MvArgs a) { mv_rows<F>(a); }             \
+    extern "C" __global__ void __launch_bounds__(256, 4) mv_gated_##NAME(MvArgs a) { mv_gated_rows<F>(a); }
+MV_KERNELS(any, FMT_ANY)
+MV_KERNELS(f32, FMT_F32)
+MV_KERNELS(f16, FMT_F16)
+MV_KERNELS(bf16, FMT_BF16)
+MV_KERNELS(q8_0, FMT_Q8_0)
+MV_KERNELS(q4_k, FMT_Q4_K)
+MV_KERNELS(q6_k, FMT_Q6_K)
+
 // x += RMSNorm(h) · w (the post-attention and post-MLP norms of Gemma-style blocks). One block.
 extern "C" __global__ void add_norm(float* x, const float* h, const float* w, int n, float eps) {
     __shared__ float scratch[32];
+    wait_for_previous_kernel();
     float ss = 0.f;
     for (int j = threadIdx.x; j < n; j += blockDim.x) ss += h[j] * h[j];
     ss = block_sum(ss, scratch);
@@ -544,6 +694,8 @@ extern "C" __global__ void attend(AttnArgs a) {
     __shared__ float q[ATTN_MAX_D], kn[ATTN_MAX_D], vn[ATTN_MAX_D], acc[ATTN_MAX_D];
     __shared__ float p[ATTN_CHUNK];
     __shared__ float scratch[32];
+    allow_next_kernel();
+    wait_for_previous_kernel();
     __shared__ float part[16][ATTN_MAX_D];  // up to 512 threads
     int h = blockIdx.x, d = a.d;
     int rep = a.heads / a.kv_heads, kvh = h / rep;

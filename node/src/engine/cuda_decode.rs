@@ -8,10 +8,12 @@
 //! anything on the CPU. A shard whose weights or shapes these kernels do not cover says why at
 //! load and keeps candle's path.
 
+use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
 use candle_core::quantized::{GgmlDType, QMatMul};
 use candle_core::{DType, Device, Storage, Tensor};
 
@@ -92,15 +94,11 @@ struct AttnArgs {
     eps: f32,
 }
 
-// SAFETY: plain `#[repr(C)]` data whose layout matches the structs of the same names in
-// decode.cu (pointers as u64, ints as i32); kernels take them by value.
-unsafe impl DeviceRepr for MvArgs {}
-unsafe impl DeviceRepr for AttnArgs {}
-
 /// One kernel launch of the step; cache pointers are filled in per step.
 #[derive(Clone, Copy)]
 enum Launch {
-    Mv { args: MvArgs, rows: u32 },
+    /// `kernel`: the instance for its matrices' formats (see `mv_kernel`).
+    Mv { args: MvArgs, rows: u32, kernel: &'static str },
     Attend { args: AttnArgs, layer: usize },
     AddNorm { x: u64, h: u64, w: u64, n: i32, eps: f32 },
 }
@@ -124,7 +122,8 @@ unsafe impl Send for Captured {}
 
 pub struct FusedDecode {
     stream: Arc<CudaStream>,
-    mv: CudaFunction,
+    /// The `mv` instances the launches use, by name.
+    mv: HashMap<&'static str, CudaFunction>,
     attend: CudaFunction,
     add_norm: CudaFunction,
     launches: Vec<Launch>,
@@ -134,6 +133,9 @@ pub struct FusedDecode {
     /// Most `mv` blocks per launch (row blocks loop beyond it; 0: one block per 8 rows).
     mv_blocks: u32,
     attend_threads: u32,
+    /// Launch with programmatic stream serialization (sm_90 on): a kernel's blocks may start
+    /// while the previous kernel finishes (the kernels wait before reading its results).
+    overlap: bool,
     buffers: Mutex<Buffers>,
     /// f32 copies of norms and biases, rope tables and scratch buffers the launches point into.
     _keep: Vec<Tensor>,
@@ -195,10 +197,27 @@ struct Planner<'a> {
     max_smem: usize,
 }
 
-/// Dynamic shared memory of one `mv` block: its input slice as f32, twice for Q4_K rows (the
-/// second copy in the order their kernel reads).
+/// Dynamic shared memory of one `mv` block: its input slice as f32; for Q4_K rows also a second
+/// copy in the order their kernel reads, and the sums of each 16 values.
 fn mv_smem(a: &MvArgs) -> usize {
-    a.slice as usize * 4 * if a.q4k != 0 { 2 } else { 1 }
+    let n = a.slice as usize;
+    if a.q4k != 0 { n * 4 * 2 + n / 16 * 4 } else { n * 4 }
+}
+
+/// The `mv` instance in decode.cu for a launch (`gated`: act(gate)·up) whose matrices are in
+/// `fmts`: one per format, or `_any` when they differ.
+fn mv_kernel(gated: bool, fmts: &[i32]) -> &'static str {
+    let same = fmts.windows(2).all(|w| w[0] == w[1]);
+    let names: [&'static str; 2] = match fmts.first().copied().filter(|_| same) {
+        Some(FMT_F32) => ["mv_f32", "mv_gated_f32"],
+        Some(FMT_F16) => ["mv_f16", "mv_gated_f16"],
+        Some(FMT_BF16) => ["mv_bf16", "mv_gated_bf16"],
+        Some(FMT_Q8_0) => ["mv_q8_0", "mv_gated_q8_0"],
+        Some(FMT_Q4_K) => ["mv_q4_k", "mv_gated_q4_k"],
+        Some(FMT_Q6_K) => ["mv_q6_k", "mv_gated_q6_k"],
+        _ => ["mv_any", "mv_gated_any"],
+    };
+    names[usize::from(gated)]
 }
 
 impl Planner<'_> {
@@ -286,7 +305,9 @@ impl Planner<'_> {
         } else {
             args.seg.iter().map(|s| s.rows).sum()
         };
-        Ok(Launch::Mv { args, rows: rows as u32 })
+        let fmts: Vec<i32> = args.seg[..parts.len()].iter().map(|s| s.fmt).collect();
+        let kernel = mv_kernel(mode == MODE_SILU || mode == MODE_GELU_TANH, &fmts);
+        Ok(Launch::Mv { args, rows: rows as u32, kernel })
     }
 
     /// `x += W·input`, or through a post-norm first (`h = W·input; x += norm(h)`, Gemma's blocks).
@@ -309,7 +330,7 @@ impl FusedDecode {
         let cuda = device.as_cuda_device()?;
         let stream = cuda.cuda_stream();
         let load = |name: &str| cuda.get_or_load_custom_func(name, MODULE, PTX).map(|f| f.into_cuda_function());
-        let (mv, attend, add_norm) = (load("mv")?, load("attend")?, load("add_norm")?);
+        let (attend, add_norm) = (load("attend")?, load("add_norm")?);
         let mut p = Planner { device, keep: Vec::new(), max_smem: 0 };
         let x_t = Tensor::zeros(hidden, DType::F32, device)?;
         let x = tensor_ptr(&x_t)?;
@@ -379,8 +400,20 @@ impl FusedDecode {
         if smem > optin {
             return Err(unsupported(format!("inputs needing {smem} bytes of shared memory per block (the GPU has {optin})")));
         }
-        mv.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(driver)?;
+        let mut mv = HashMap::new();
+        for l in &launches {
+            if let Launch::Mv { kernel, .. } = *l {
+                if !mv.contains_key(kernel) {
+                    let f = load(kernel)?;
+                    f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(driver)?;
+                    mv.insert(kernel, f);
+                }
+            }
+        }
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(driver)? as u32;
+        let major = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).map_err(driver)?;
+        // `SHOAL_KERNEL_OVERLAP=0`: launch each kernel only after the previous one (a diagnostic).
+        let overlap = major >= 9 && std::env::var("SHOAL_KERNEL_OVERLAP").map_or(true, |v| v != "0");
         let mv_blocks = sms * tuned("MV_WAVES", 4);
         let attend_threads = tuned("ATTEND_THREADS", 512).clamp(64, 512) / 32 * 32;
         let use_graph = std::env::var("SHOAL_CUDA_GRAPH").map_or(true, |v| v != "0");
@@ -397,6 +430,7 @@ impl FusedDecode {
             hidden,
             mv_blocks,
             attend_threads,
+            overlap,
             buffers: Mutex::new(Buffers { x: x_t, pos, logits, graph: None }),
             _keep: p.keep,
             enabled: AtomicBool::new(enabled),
@@ -455,6 +489,34 @@ impl FusedDecode {
         }
     }
 
+    /// Launches `f` on the step's stream, allowing it to overlap the previous kernel's end
+    /// when `overlap` is set (every kernel in decode.cu waits before reading earlier results).
+    ///
+    /// # Safety
+    /// `params` must match `f`'s parameters in number, order and layout, and every pointer in
+    /// them must stay valid until the kernel has run.
+    unsafe fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, params: &mut [*mut c_void]) -> Result<()> {
+        self.stream.context().bind_to_thread().map_err(driver)?;
+        // SAFETY: a plain C union of integers and small structs; all zero is a valid value.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.overlap),
+        };
+        // SAFETY: the caller vouches for `params`; `config` and `attr` outlive the call.
+        unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result().map_err(driver)
+    }
+
     /// Every kernel of one step, in order, with this step's KV buffers.
     fn launch_all(&self, caches: &[(u64, u64, i32)]) -> Result<()> {
         let mut prof = self.profile.as_ref().map(|p| p.lock().unwrap_or_else(|e| e.into_inner()));
@@ -466,27 +528,28 @@ impl FusedDecode {
                 None => None,
             };
             match *l {
-                Launch::Mv { args, rows } => {
-                    // A block takes 8 rows at a time, or 4 gate/up pairs.
-                    let per_block = if args.mode == MODE_SILU || args.mode == MODE_GELU_TANH { MV_THREADS / 64 } else { MV_THREADS / 32 };
-                    let blocks = rows.div_ceil(per_block);
-                    let blocks = if self.mv_blocks == 0 { blocks } else { blocks.clamp(1, self.mv_blocks) };
+                Launch::Mv { mut args, rows, kernel } => {
+                    // A block takes 8 rows (or gate/up pairs) at a time; a split grid's blocks
+                    // loop over more rows so that each staged input slice serves several.
                     let slices = (args.cols as u32).div_ceil(args.slice as u32);
+                    let blocks = rows.div_ceil(MV_THREADS / 32);
+                    let blocks = if self.mv_blocks == 0 { blocks } else { blocks.clamp(1, (self.mv_blocks / slices).max(1)) };
                     let cfg = LaunchConfig { grid_dim: (blocks, slices, 1), block_dim: (MV_THREADS, 1, 1), shared_mem_bytes: mv_smem(&args) as u32 };
                     // SAFETY: `args` points at buffers kept alive by `self` (weights held by the
                     // shard, scratch in `_keep`), sized at planning for these rows and columns.
-                    unsafe { self.stream.launch_builder(&self.mv).arg(&args).launch(cfg) }.map_err(driver)?;
+                    unsafe { self.launch(&self.mv[kernel], cfg, &mut [(&raw mut args).cast()]) }?;
                 }
                 Launch::Attend { mut args, layer } => {
                     (args.k_cache, args.v_cache, args.capacity) = caches[layer];
                     let cfg = LaunchConfig { grid_dim: (args.heads as u32, 1, 1), block_dim: (self.attend_threads, 1, 1), shared_mem_bytes: 0 };
                     // SAFETY: as above; the caches hold `capacity` > position rows (reserved).
-                    unsafe { self.stream.launch_builder(&self.attend).arg(&args).launch(cfg) }.map_err(driver)?;
+                    unsafe { self.launch(&self.attend, cfg, &mut [(&raw mut args).cast()]) }?;
                 }
-                Launch::AddNorm { x, h, w, n, eps } => {
+                Launch::AddNorm { mut x, mut h, mut w, mut n, mut eps } => {
                     let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+                    let mut params: [*mut c_void; 5] = [(&raw mut x).cast(), (&raw mut h).cast(), (&raw mut w).cast(), (&raw mut n).cast(), (&raw mut eps).cast()];
                     // SAFETY: three buffers of `n` f32 values kept alive by `self`.
-                    unsafe { self.stream.launch_builder(&self.add_norm).arg(&x).arg(&h).arg(&w).arg(&n).arg(&eps).launch(cfg) }.map_err(driver)?;
+                    unsafe { self.launch(&self.add_norm, cfg, &mut params) }?;
                 }
             }
             if let Some(t0) = t0 {

@@ -1,0 +1,154 @@
+// mv_bench.cu — times decode.cu's `mv` kernel alone on the real shapes of Qwen2.5 1.5B and 7B,
+// in each weight format, over enough copies of each matrix that nothing stays in L2.
+// Prints µs per launch and the weight bytes streamed per second. Built by scripts/build-cuda.sh
+// (standalone nvcc, cudart static); run on the GPU machine. Not a test: it asserts nothing.
+#include "decode.cu"
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+#include <string>
+
+#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
+
+static size_t host_fmt_bytes(int fmt, size_t n) {
+    switch (fmt) {
+        case FMT_F32: return n * 4;
+        case FMT_F16: case FMT_BF16: return n * 2;
+        case FMT_Q8_0: return n / 32 * 34;
+        case FMT_Q4_K: return n / 256 * 144;
+        default: return n / 256 * 210;
+    }
+}
+
+static uint16_t f2h(float f) { __half h = __float2half(f); uint16_t u; memcpy(&u, &h, 2); return u; }
+
+// Random weights whose scales are sane halves (so sums stay finite).
+static std::vector<uint8_t> random_weights(int fmt, size_t rows, size_t cols, unsigned seed) {
+    size_t n = host_fmt_bytes(fmt, rows * cols);
+    std::vector<uint8_t> w(n);
+    srand(seed);
+    uint64_t st = 0x9E3779B97F4A7C15ull * seed;
+    for (size_t i = 0; i < n; i++) { st ^= st << 13; st ^= st >> 7; st ^= st << 17; w[i] = (uint8_t)st; }
+    auto put = [&](size_t off, float v) { uint16_t h = f2h(v); memcpy(&w[off], &h, 2); };
+    size_t nblk;
+    switch (fmt) {
+        case FMT_F16: for (size_t i = 0; i < rows * cols; i++) put(2 * i, ((rand() % 2001) - 1000) * 1e-5f); break;
+        case FMT_BF16: for (size_t i = 0; i < rows * cols; i++) { float v = ((rand() % 2001) - 1000) * 1e-5f; uint32_t u; memcpy(&u, &v, 4); uint16_t b = u >> 16; memcpy(&w[2 * i], &b, 2); } break;
+        case FMT_F32: for (size_t i = 0; i < rows * cols; i++) { float v = ((rand() % 2001) - 1000) * 1e-5f; memcpy(&w[4 * i], &v, 4); } break;
+        case FMT_Q8_0: nblk = rows * cols / 32; for (size_t b = 0; b < nblk; b++) put(b * 34, 1e-3f); break;
+        case FMT_Q4_K: nblk = rows * cols / 256; for (size_t b = 0; b < nblk; b++) { put(b * 144, 1e-3f); put(b * 144 + 2, 1e-3f); } break;
+        default: nblk = rows * cols / 256; for (size_t b = 0; b < nblk; b++) put(b * 210 + 208, 1e-3f); break;
+    }
+    return w;
+}
+
+struct Case { const char* name; int fmt; int rows; int cols; int mode; int nseg; };
+
+int main(int argc, char** argv) {
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    printf("device: %s, %d SMs, L2 %d MB\n", prop.name, sms, prop.l2CacheSize >> 20);
+    // Usage: mv_bench [waves per SM, default 4] [overlap launches: 1 (default) or 0]
+    int waves = argc > 1 ? atoi(argv[1]) : 4;
+    bool pdl = argc <= 2 || atoi(argv[2]) != 0;  // programmatic stream serialization, as the engine
+    printf("waves %d, programmatic dependent launch %s\n", waves, pdl ? "on" : "off");
+    const Case cases[] = {
+        {"7B qkv", 0, 4608, 3584, MODE_STORE, 1},
+        {"7B o", 0, 3584, 3584, MODE_ADD, 1},
+        {"7B gate/up", 0, 18944, 3584, MODE_SILU, 2},
+        {"7B down", 0, 3584, 18944, MODE_ADD, 1},
+        {"1.5B qkv", 0, 2048, 1536, MODE_STORE, 1},
+        {"1.5B gate/up", 0, 8960, 1536, MODE_SILU, 2},
+        {"1.5B down", 0, 1536, 8960, MODE_ADD, 1},
+        {"1.5B head", 0, 151936, 1536, MODE_STORE, 1},
+    };
+    const int fmts[] = {FMT_F16, FMT_Q4_K, FMT_Q6_K, FMT_Q8_0};
+    const char* fmt_names[] = {"f16", "q4_k", "q6_k", "q8_0"};
+    void (*kernels[4][2])(MvArgs) = {{mv_f16, mv_gated_f16}, {mv_q4_k, mv_gated_q4_k}, {mv_q6_k, mv_gated_q6_k}, {mv_q8_0, mv_gated_q8_0}};
+    for (auto& k : kernels)
+        for (auto f : k) cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024);
+    for (int fi = 0; fi < 4; fi++) {
+        int fmt = fmts[fi];
+        for (const Case& c0 : cases) {
+            Case c = c0;
+            c.fmt = fmt;
+            size_t per = host_fmt_bytes(fmt, (size_t)c.rows * c.cols) * c.nseg;
+            int copies = (int)std::max<size_t>(2, (size_t)(600u << 20) / per + 1);
+            if (per > (size_t)(300u << 20)) copies = 2;
+            std::vector<void*> ws(copies * c.nseg);
+            auto h = random_weights(fmt, c.rows, c.cols, 7);  // the same bytes in every copy
+            for (int k = 0; k < copies * c.nseg; k++) {
+                CK(cudaMalloc(&ws[k], h.size()));
+                CK(cudaMemcpy(ws[k], h.data(), h.size(), cudaMemcpyHostToDevice));
+            }
+            float *x, *nw, *out;
+            CK(cudaMalloc(&x, c.cols * 4));
+            CK(cudaMalloc(&nw, c.cols * 4));
+            CK(cudaMalloc(&out, (size_t)c.rows * 2 * 4));
+            std::vector<float> hx(c.cols), hn(c.cols, 1.f);
+            for (int i = 0; i < c.cols; i++) hx[i] = ((rand() % 2001) - 1000) * 1e-3f;
+            CK(cudaMemcpy(x, hx.data(), c.cols * 4, cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(nw, hn.data(), c.cols * 4, cudaMemcpyHostToDevice));
+            CK(cudaMemset(out, 0, (size_t)c.rows * 2 * 4));
+            bool gated = c.mode == MODE_SILU;
+            int split = 2048;
+            int slice = (c.mode == MODE_ADD && c.cols > split) ? split : c.cols;
+            int rows_total = gated ? c.rows : c.rows * c.nseg;
+            int per_block = 8;  // rows, or gate/up pairs
+            size_t smem = (size_t)slice * 4 + (fmt == FMT_Q4_K ? (size_t)slice * 4 + slice / 16 * 4 : 0);
+            int blocks = (rows_total + per_block - 1) / per_block;
+            int slices = (c.cols + slice - 1) / slice;
+            if (waves > 0 && blocks > waves * sms) blocks = waves * sms;
+            if (waves > 0 && blocks * slices > waves * sms) blocks = std::max(1, waves * sms / slices);  // as cuda_decode.rs
+            dim3 grid(blocks, slices);
+            auto launch = [&](int k) {
+                MvArgs a;
+                memset(&a, 0, sizeof a);
+                for (int s = 0; s < c.nseg; s++) { a.seg[s].w = ws[k * c.nseg + s]; a.seg[s].fmt = fmt; a.seg[s].rows = c.rows; }
+                a.nseg = c.nseg; a.cols = c.cols; a.slice = slice; a.q4k = fmt == FMT_Q4_K;
+                a.x = x; a.norm_w = c.mode == MODE_ADD ? nullptr : nw; a.eps = 1e-6f; a.mode = c.mode; a.out = out;
+                auto kernel = gated ? kernels[fi][1] : kernels[fi][0];
+                if (!pdl) {
+                    kernel<<<grid, 256, smem>>>(a);
+                    return;
+                }
+                cudaLaunchConfig_t cfg = {};
+                cfg.gridDim = grid;
+                cfg.blockDim = dim3(256);
+                cfg.dynamicSmemBytes = smem;
+                cudaLaunchAttribute attr;
+                attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                attr.val.programmaticStreamSerializationAllowed = 1;
+                cfg.attrs = &attr;
+                cfg.numAttrs = 1;
+                CK(cudaLaunchKernelEx(&cfg, kernel, a));
+            };
+            for (int k = 0; k < copies; k++) launch(k);
+            CK(cudaDeviceSynchronize());
+            cudaEvent_t e0, e1;
+            cudaEventCreate(&e0); cudaEventCreate(&e1);
+            int iters = std::max(copies * 4, 64);
+            cudaEventRecord(e0);
+            for (int i = 0; i < iters; i++) launch(i % copies);
+            cudaEventRecord(e1);
+            CK(cudaEventSynchronize(e1));
+            float ms = 0;
+            cudaEventElapsedTime(&ms, e0, e1);
+            double us = ms * 1000.0 / iters;
+            // One clean launch for a checksum that builds can be compared by.
+            CK(cudaMemset(out, 0, (size_t)c.rows * 2 * 4));
+            launch(0);
+            std::vector<float> ho(rows_total);
+            CK(cudaMemcpy(ho.data(), out, rows_total * 4, cudaMemcpyDeviceToHost));
+            double check = 0;
+            for (int i = 0; i < rows_total; i++) check += ho[i] * (double)(i % 7 + 1);
+            printf("%-5s %-13s %7.1f us  %7.0f GB/s  (%.1f MB, grid %dx%d)  check %.6e\n", fmt_names[fi], c.name, us, per / us / 1e3, per / 1e6, grid.x, grid.y, check);
+            for (void* p : ws) cudaFree(p);
+            cudaFree(x); cudaFree(nw); cudaFree(out);
+        }
+    }
+    return 0;
+}
