@@ -617,63 +617,44 @@ struct AttnArgs {
     float eps;
 };
 
-__device__ __forceinline__ float cache_load(const void* c, int fmt, size_t i) {
-    if (fmt == FMT_F32) return reinterpret_cast<const float*>(c)[i];
-    if (fmt == FMT_F16) return __half2float(reinterpret_cast<const __half*>(c)[i]);
-    return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(c)[i]);
-}
-
 __device__ __forceinline__ void cache_store(void* c, int fmt, size_t i, float v) {
     if (fmt == FMT_F32) reinterpret_cast<float*>(c)[i] = v;
     else if (fmt == FMT_F16) reinterpret_cast<__half*>(c)[i] = __float2half(v);
     else reinterpret_cast<__nv_bfloat16*>(c)[i] = __float2bfloat16(v);
 }
 
-// q · one cached row of `d` values (d a multiple of 8), 16 bytes per load.
-__device__ float dot_cache_row(const void* c, int fmt, size_t base, const float* q, int d) {
-    float s = 0.f;
+// Eight consecutive cached values from index i (a multiple of 8) as f32: one 16-byte load for
+// f16/bf16, two for f32.
+__device__ __forceinline__ void cache_load8(const void* c, int fmt, size_t i, float* v) {
     if (fmt == FMT_F32) {
-        const float4* r = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(c) + base);
-#pragma unroll 16
-        for (int i = 0; i < d / 4; i++) {
-            float4 v = r[i];
-            s += v.x * q[4 * i] + v.y * q[4 * i + 1] + v.z * q[4 * i + 2] + v.w * q[4 * i + 3];
-        }
-        return s;
+        const float4* p = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(c) + i);
+        float4 a = p[0], b = p[1];
+        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+        return;
     }
-    const uint4* r = reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(c) + base);
-#pragma unroll 16
-    for (int i = 0; i < d / 8; i++) {
-        uint4 u = r[i];
-        const uint32_t* pw = reinterpret_cast<const uint32_t*>(&u);
+    uint4 u = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(c) + i);
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(&u);
 #pragma unroll
-        for (int e = 0; e < 4; e++) {
-            float lo, hi;
-            if (fmt == FMT_F16) {
-                float2 f = __half22float2(*reinterpret_cast<const __half2*>(&pw[e]));
-                lo = f.x; hi = f.y;
-            } else {
-                lo = __uint_as_float(pw[e] << 16);
-                hi = __uint_as_float(pw[e] & 0xffff0000u);
-            }
-            s += lo * q[8 * i + 2 * e] + hi * q[8 * i + 2 * e + 1];
-        }
-    }
-    return s;
+    for (int e = 0; e < 4; e++) widen2(w[e], fmt, &v[2 * e], &v[2 * e + 1]);
 }
 
-// Norms (optional) and rotates one head of `d` values in shared memory, in place.
-__device__ void norm_and_rope(float* v, const float* norm_w, float eps, const float* inv_freq, int pos, int d, int halves, float* scratch) {
-    if (norm_w) {
-        float ss = 0.f;
-        for (int i = threadIdx.x; i < d; i += blockDim.x) ss += v[i] * v[i];
-        ss = block_sum(ss, scratch);
-        float rinv = rsqrtf(ss / (float)d + eps);
-        for (int i = threadIdx.x; i < d; i += blockDim.x) v[i] = v[i] * rinv * norm_w[i];
-        __syncthreads();
+// One warp: v = rope(norm(src)) for one head of `d` values, in shared memory.
+__device__ void warp_norm_rope(float* v, const float* src, const float* norm_w, float eps, const float* inv_freq, int pos, int d, int halves) {
+    int lane = threadIdx.x & 31;
+    float ss = 0.f;
+    for (int i = lane; i < d; i += 32) {
+        float x = src[i];
+        v[i] = x;
+        ss += x * x;
     }
+    if (norm_w) {
+        float rinv = rsqrtf(warp_sum(ss) / (float)d + eps);
+        for (int i = lane; i < d; i += 32) v[i] *= rinv * norm_w[i];
+    }
+    __syncwarp();
     int half = d / 2;
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    for (int i = lane; i < half; i += 32) {
         float angle = (float)pos * inv_freq[i];
         float c = cosf(angle), s = sinf(angle);
         int i0 = halves ? i : 2 * i, i1 = halves ? i + half : 2 * i + 1;
@@ -681,36 +662,49 @@ __device__ void norm_and_rope(float* v, const float* norm_w, float eps, const fl
         v[i0] = x0 * c - x1 * s;
         v[i1] = x1 * c + x0 * s;
     }
-    __syncthreads();
+    __syncwarp();
 }
 
-#define ATTN_CHUNK 1024
-#define ATTN_MAX_D 256
+// Folds softmax state (m2, l2, o2) into (m, l, o): running maxima, sums of exp(s - max), and
+// the exp-weighted sums of values. A state with no keys has m = -inf.
+__device__ __forceinline__ void softmax_merge(float& m, float& l, float* o, float m2, float l2, const float* o2) {
+    float mn = fmaxf(m, m2);
+    float c1 = m == -INFINITY ? 0.f : expf(m - mn), c2 = m2 == -INFINITY ? 0.f : expf(m2 - mn);
+    l = l * c1 + l2 * c2;
+#pragma unroll
+    for (int e = 0; e < 8; e++) o[e] = o[e] * c1 + o2[e] * c2;
+    m = mn;
+}
 
-// One block per query head: rope, append this step's key and value (the first head of each KV
-// group writes them), then softmax(q·K / √d)·V over the visible keys, 1024 keys per pass with
-// the running maximum carried between passes.
+#define ATTN_MAX_D 256
+#define ATTN_MAX_WARPS 16
+#define ATTN_UNROLL 2  // warp steps whose loads are in flight together
+
+// One block per query head. Warp 0 norms and rotates q, warp 1 k (and copies v); the first head
+// of each KV group appends this step's key and value to the cache. Then every warp streams its
+// share of the visible keys with an online softmax: lanes in groups of G (the power of two
+// >= d/8) take one key each, 8 values per lane, so a warp reads 32/G keys and their values per
+// step with 16-byte loads. The warps' states are merged at the end. The newest key comes from
+// shared memory (another block writes it to the cache).
 extern "C" __global__ void attend(AttnArgs a) {
-    __shared__ float q[ATTN_MAX_D], kn[ATTN_MAX_D], vn[ATTN_MAX_D], acc[ATTN_MAX_D];
-    __shared__ float p[ATTN_CHUNK];
-    __shared__ float scratch[32];
+    __shared__ float q[ATTN_MAX_D], kn[ATTN_MAX_D], vn[ATTN_MAX_D];
+    __shared__ float part[ATTN_MAX_WARPS][ATTN_MAX_D];
+    __shared__ float wmax[ATTN_MAX_WARPS], wsum[ATTN_MAX_WARPS];
     allow_next_kernel();
     wait_for_previous_kernel();
-    __shared__ float part[16][ATTN_MAX_D];  // up to 512 threads
     int h = blockIdx.x, d = a.d;
     int rep = a.heads / a.kv_heads, kvh = h / rep;
     int pos = *a.pos;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const float* kin = a.qkv + a.heads * d + kvh * d;
     const float* vin = a.qkv + a.heads * d + a.kv_heads * d + kvh * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        q[i] = a.qkv[h * d + i];
-        kn[i] = kin[i];
-        vn[i] = vin[i];
-        acc[i] = 0.f;
+    if (warp == 0) {
+        warp_norm_rope(q, a.qkv + h * d, a.q_norm, a.eps, a.inv_freq, pos, d, a.rope_halves);
+    } else if (warp == 1) {
+        warp_norm_rope(kn, kin, a.k_norm, a.eps, a.inv_freq, pos, d, a.rope_halves);
+        for (int i = lane; i < d; i += 32) vn[i] = vin[i];
     }
     __syncthreads();
-    norm_and_rope(q, a.q_norm, a.eps, a.inv_freq, pos, d, a.rope_halves, scratch);
-    norm_and_rope(kn, a.k_norm, a.eps, a.inv_freq, pos, d, a.rope_halves, scratch);
     size_t head_base = (size_t)kvh * a.capacity * d;
     if (h % rep == 0) {
         for (int i = threadIdx.x; i < d; i += blockDim.x) {
@@ -718,69 +712,76 @@ extern "C" __global__ void attend(AttnArgs a) {
             cache_store(a.v_cache, a.cache_fmt, head_base + (size_t)pos * d + i, vn[i]);
         }
     }
+    int group = 1;
+    while (group * 8 < d) group <<= 1;
+    int per_step = 32 / group, grp = lane / group, col = (lane % group) * 8;
+    bool active = col < d;
+    float qr[8];
+#pragma unroll
+    for (int e = 0; e < 8; e++) qr[e] = active ? q[col + e] : 0.f;
     int first = (a.window > 0 && pos + 1 > a.window) ? pos + 1 - a.window : 0;
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    float run_max = -INFINITY, run_sum = 0.f;
-    for (int c0 = first; c0 <= pos; c0 += ATTN_CHUNK) {
-        int n = min(ATTN_CHUNK, pos + 1 - c0);
-        // Scores: one thread per key, reading the key's row with 16-byte loads.
-        for (int t = threadIdx.x; t < n; t += blockDim.x) {
-            int key = c0 + t;
-            float s = 0.f;
-            if (key == pos) {
-                for (int i = 0; i < d; i++) s += q[i] * kn[i];
+    int nkeys = pos + 1 - first, stride = warps * per_step;
+    float m = -INFINITY, l = 0.f, o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    // Warp-uniform trip count: every lane reaches the shuffles.
+    for (int base = warp * per_step; base < nkeys; base += ATTN_UNROLL * stride) {
+        float kv[ATTN_UNROLL][8], vv[ATTN_UNROLL][8];
+#pragma unroll
+        for (int u = 0; u < ATTN_UNROLL; u++) {
+            int t = base + u * stride + grp, key = first + t;
+            if (active && t < nkeys && key != pos) {
+                cache_load8(a.k_cache, a.cache_fmt, head_base + (size_t)key * d + col, kv[u]);
+                cache_load8(a.v_cache, a.cache_fmt, head_base + (size_t)key * d + col, vv[u]);
             } else {
-                s = dot_cache_row(a.k_cache, a.cache_fmt, head_base + (size_t)key * d, q, d);
-            }
-            s *= a.scale;
-            if (a.softcap > 0.f) s = tanhf(s / a.softcap) * a.softcap;
-            p[t] = s;
-        }
-        __syncthreads();
-        float m = -INFINITY;
-        for (int t = threadIdx.x; t < n; t += blockDim.x) m = fmaxf(m, p[t]);
-        m = block_max(m, scratch);
-        float new_max = fmaxf(run_max, m);
-        float sum = 0.f;
-        for (int t = threadIdx.x; t < n; t += blockDim.x) {
-            float e = expf(p[t] - new_max);
-            p[t] = e;
-            sum += e;
-        }
-        sum = block_sum(sum, scratch);  // its barriers also publish p[]
-        float rescale = expf(run_max - new_max);
-        run_sum = run_sum * rescale + sum;
-        run_max = new_max;
-        // p·V: each warp takes every `warps`-th key, lanes over values (value i = lane + 32k,
-        // kept in registers); then the warps' partial sums are added up.
-        {
-            float o[ATTN_MAX_D / 32];
 #pragma unroll
-            for (int k = 0; k < ATTN_MAX_D / 32; k++) o[k] = 0.f;
-#pragma unroll 4
-            for (int t = warp; t < n; t += warps) {
-                int key = c0 + t;
-                float pt = p[t];
-                size_t row = head_base + (size_t)key * d;
-#pragma unroll
-                for (int k = 0; k < ATTN_MAX_D / 32; k++) {
-                    int i = lane + 32 * k;
-                    if (i < d) o[k] += pt * (key == pos ? vn[i] : cache_load(a.v_cache, a.cache_fmt, row + i));
+                for (int e = 0; e < 8; e++) {
+                    bool newest = active && t < nkeys;
+                    kv[u][e] = newest ? kn[col + e] : 0.f;
+                    vv[u][e] = newest ? vn[col + e] : 0.f;
                 }
             }
+        }
 #pragma unroll
-            for (int k = 0; k < ATTN_MAX_D / 32; k++) {
-                int i = lane + 32 * k;
-                if (i < d) part[warp][i] = o[k];
+        for (int u = 0; u < ATTN_UNROLL; u++) {
+            float s = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; e++) s = fmaf(qr[e], kv[u][e], s);
+            for (int off = group / 2; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+            if (base + u * stride + grp < nkeys) {  // the same for every lane of a group
+                s *= a.scale;
+                if (a.softcap > 0.f) s = tanhf(s / a.softcap) * a.softcap;
+                float one[8];
+#pragma unroll
+                for (int e = 0; e < 8; e++) one[e] = vv[u][e];
+                softmax_merge(m, l, o, s, 1.f, one);
             }
         }
-        __syncthreads();
-        for (int i = threadIdx.x; i < d; i += blockDim.x) {
-            float o = 0.f;
-            for (int w = 0; w < warps; w++) o += part[w][i];
-            acc[i] = acc[i] * rescale + o;
-        }
-        __syncthreads();
     }
-    for (int i = threadIdx.x; i < d; i += blockDim.x) a.out[h * d + i] = acc[i] / run_sum;
+    // Merge the groups of a warp (lanes `group` apart hold the same columns), then the warps.
+    for (int off = group; off < 32; off <<= 1) {
+        float o2[8];
+#pragma unroll
+        for (int e = 0; e < 8; e++) o2[e] = __shfl_xor_sync(0xffffffffu, o[e], off);
+        float m2 = __shfl_xor_sync(0xffffffffu, m, off), l2 = __shfl_xor_sync(0xffffffffu, l, off);
+        softmax_merge(m, l, o, m2, l2, o2);
+    }
+    if (grp == 0 && active) {
+#pragma unroll
+        for (int e = 0; e < 8; e++) part[warp][col + e] = o[e];
+    }
+    if (lane == 0) {
+        wmax[warp] = m;
+        wsum[warp] = l;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float mx = -INFINITY;
+        for (int w = 0; w < warps; w++) mx = fmaxf(mx, wmax[w]);
+        float num = 0.f, den = 0.f;
+        for (int w = 0; w < warps; w++) {
+            float c = wmax[w] == -INFINITY ? 0.f : expf(wmax[w] - mx);
+            num += part[w][i] * c;
+            den += wsum[w] * c;
+        }
+        a.out[h * d + i] = num / den;
+    }
 }
