@@ -655,8 +655,8 @@ __device__ void warp_norm_rope(float* v, const float* src, const float* norm_w, 
     __syncwarp();
     int half = d / 2;
     for (int i = lane; i < half; i += 32) {
-        float angle = (float)pos * inv_freq[i];
-        float c = cosf(angle), s = sinf(angle);
+        float s, c;
+        sincosf((float)pos * inv_freq[i], &s, &c);
         int i0 = halves ? i : 2 * i, i1 = halves ? i + half : 2 * i + 1;
         float x0 = v[i0], x1 = v[i1];
         v[i0] = x0 * c - x1 * s;
@@ -678,7 +678,7 @@ __device__ __forceinline__ void softmax_merge(float& m, float& l, float* o, floa
 
 #define ATTN_MAX_D 256
 #define ATTN_MAX_WARPS 16
-#define ATTN_UNROLL 2  // warp steps whose loads are in flight together
+#define ATTN_UNROLL 4  // warp steps whose loads are in flight together
 
 // One block per query head. Warp 0 norms and rotates q, warp 1 k (and copies v); the first head
 // of each KV group appends this step's key and value to the cache. Then every warp streams its

@@ -95,7 +95,8 @@ int main(int argc, char** argv) {
             CK(cudaMemset(out, 0, (size_t)c.rows * 2 * 4));
             bool gated = c.mode == MODE_SILU;
             int split = 2048;
-            int slice = (c.mode == MODE_ADD && c.cols > split) ? split : c.cols;
+            int nslices = (c.cols + split - 1) / split;  // equal slices, as cuda_decode.rs
+            int slice = (c.mode == MODE_ADD && nslices > 1) ? ((c.cols / 256 + nslices - 1) / nslices) * 256 : c.cols;
             int rows_total = gated ? c.rows : c.rows * c.nseg;
             int per_block = 8;  // rows, or gate/up pairs
             size_t smem = (size_t)slice * 4 + (fmt == FMT_Q4_K ? (size_t)slice * 4 + slice / 16 * 4 : 0);

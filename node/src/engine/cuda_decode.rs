@@ -289,8 +289,11 @@ impl Planner<'_> {
         // Long rows added into the residual are split over blocks (summed atomically), so a
         // block stages only its slice of the input and the grid has enough blocks to fill the GPU.
         // SPLIT_K: input values per block for split rows (a whole number of every format's blocks).
+        // Slices are equal (whole 256-value blocks, at most SPLIT_K values), so that no block row
+        // is left with a short remainder while the others stream.
         let split = (tuned("SPLIT_K", 2048) as usize).next_multiple_of(256);
-        args.slice = if mode == MODE_ADD && cols > split { split as i32 } else { cols as i32 };
+        let slices = cols.div_ceil(split);
+        args.slice = if mode == MODE_ADD && slices > 1 { (cols.div_ceil(256).div_ceil(slices) * 256) as i32 } else { cols as i32 };
         args.q4k = i32::from(args.seg[..parts.len()].iter().any(|s| s.fmt == FMT_Q4_K));
         self.max_smem = self.max_smem.max(mv_smem(&args));
         if let Some(n) = norm {
