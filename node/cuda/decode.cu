@@ -38,7 +38,7 @@ struct MvArgs {
     int nseg;
     int cols;
     int slice;           // input values per block row (gridDim.y = ceil(cols / slice))
-    int q4k;             // 1: some matrix is Q4_K (the input is staged twice, see dot_q4_k)
+    int q4k;             // 1: some matrix is Q4_K (the input is also staged for dot_q4_k)
     const float* x;      // cols
     const float* norm_w; // cols: RMSNorm the input first; null: use x as it is
     float eps;
