@@ -677,7 +677,7 @@ __device__ __forceinline__ void softmax_merge(float& m, float& l, float* o, floa
 }
 
 #define ATTN_MAX_D 256
-#define ATTN_MAX_WARPS 16
+#define ATTN_MAX_WARPS 16  // 512 threads (the launch bound; its registers allow no more)
 #define ATTN_UNROLL 4  // warp steps whose loads are in flight together
 
 // One block per query head. Warp 0 norms and rotates q, warp 1 k (and copies v); the first head
@@ -686,15 +686,28 @@ __device__ __forceinline__ void softmax_merge(float& m, float& l, float* o, floa
 // >= d/8) take one key each, 8 values per lane, so a warp reads 32/G keys and their values per
 // step with 16-byte loads. The warps' states are merged at the end. The newest key comes from
 // shared memory (another block writes it to the cache).
-extern "C" __global__ void attend(AttnArgs a) {
+extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
     __shared__ float q[ATTN_MAX_D], kn[ATTN_MAX_D], vn[ATTN_MAX_D];
     __shared__ float part[ATTN_MAX_WARPS][ATTN_MAX_D];
     __shared__ float wmax[ATTN_MAX_WARPS], wsum[ATTN_MAX_WARPS];
     allow_next_kernel();
-    wait_for_previous_kernel();
     int h = blockIdx.x, d = a.d;
     int rep = a.heads / a.kv_heads, kvh = h / rep;
-    int pos = *a.pos;
+    int pos = *a.pos;  // written before the step's first kernel, not by the previous one
+    int first = (a.window > 0 && pos + 1 > a.window) ? pos + 1 - a.window : 0;
+    size_t head_base = (size_t)kvh * a.capacity * d;
+    // The cached keys and values this head will read depend on no earlier kernel: pull them
+    // into L2 while that kernel finishes.
+    {
+        size_t esize = a.cache_fmt == FMT_F32 ? 4 : 2, bytes = (size_t)(pos - first) * d * esize;
+        const uint8_t* kp = reinterpret_cast<const uint8_t*>(a.k_cache) + (head_base + (size_t)first * d) * esize;
+        const uint8_t* vp = reinterpret_cast<const uint8_t*>(a.v_cache) + (head_base + (size_t)first * d) * esize;
+        for (size_t off = (size_t)threadIdx.x * 128; off < bytes; off += (size_t)blockDim.x * 128) {
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(kp + off));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(vp + off));
+        }
+    }
+    wait_for_previous_kernel();
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const float* kin = a.qkv + a.heads * d + kvh * d;
     const float* vin = a.qkv + a.heads * d + a.kv_heads * d + kvh * d;
@@ -705,7 +718,6 @@ extern "C" __global__ void attend(AttnArgs a) {
         for (int i = lane; i < d; i += 32) vn[i] = vin[i];
     }
     __syncthreads();
-    size_t head_base = (size_t)kvh * a.capacity * d;
     if (h % rep == 0) {
         for (int i = threadIdx.x; i < d; i += blockDim.x) {
             cache_store(a.k_cache, a.cache_fmt, head_base + (size_t)pos * d + i, kn[i]);
@@ -719,7 +731,6 @@ extern "C" __global__ void attend(AttnArgs a) {
     float qr[8];
 #pragma unroll
     for (int e = 0; e < 8; e++) qr[e] = active ? q[col + e] : 0.f;
-    int first = (a.window > 0 && pos + 1 > a.window) ? pos + 1 - a.window : 0;
     int nkeys = pos + 1 - first, stride = warps * per_step;
     float m = -INFINITY, l = 0.f, o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     // Warp-uniform trip count: every lane reaches the shuffles.
