@@ -6,7 +6,9 @@
 //   ->  mv (down rows, added into the residual)
 // plus `add_norm` for families with post-norms. Weights are read in the form they are stored
 // (f32/f16/bf16 rows, GGUF Q8_0/Q4_K/Q6_K blocks) and never copied; the position comes from
-// device memory so a step can be captured once as a CUDA graph and replayed.
+// device memory so a step can be captured once as a CUDA graph and replayed. On sm_90 and later
+// each kernel may start while the previous one finishes (programmatic dependent launch): it
+// prefetches what depends on no earlier kernel, then waits before reading earlier results.
 // What this file does not do: prompts (t > 1 run through candle and cuBLAS), batches, sampling.
 
 #include <cuda_fp16.h>
@@ -69,12 +71,6 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
 // Sum over the block; every thread gets the result. `scratch` holds 32 floats.
 __device__ float block_sum(float v, float* scratch) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
@@ -84,16 +80,6 @@ __device__ float block_sum(float v, float* scratch) {
     __syncthreads();
     float t = lane < nw ? scratch[lane] : 0.f;
     return warp_sum(t);
-}
-
-__device__ float block_max(float v, float* scratch) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    float t = lane < nw ? scratch[lane] : -INFINITY;
-    return warp_max(t);
 }
 
 __device__ __forceinline__ float half_at(const void* p, int byte_offset) {
@@ -248,8 +234,7 @@ __device__ __forceinline__ void scale_min_k4(int j, const uint32_t* q, float* sc
 // shared-memory bank conflicts); `xsum` holds the sums of each 16 consecutive input values (the
 // mins' term needs only those).
 //
-// A nibble becomes a float without an integer conversion (a quarter-rate instruction that bound
-// this loop): masked in place under the exponent of 2^e whose last mantissa bit it fills, it
+// A nibble becomes a float without an integer conversion (a quarter-rate instruction): masked in place under the exponent of 2^e whose last mantissa bit it fills, it
 // reads as 2^e + n exactly, and one subtraction leaves n.
 // (The mask and the exponent go in as registers so that `(w & mask) | pow2` is one LOP3: an
 // instruction takes only one immediate, and the compiler would split it in two.)
