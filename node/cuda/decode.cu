@@ -386,7 +386,7 @@ __device__ float dot_q6_k(const uint8_t* r, int cols, const float* xs) {
 }
 
 // Bytes that `n` values of one row take in `fmt` (n a whole number of blocks).
-__device__ __forceinline__ size_t fmt_bytes(int fmt, size_t n) {
+__host__ __device__ __forceinline__ size_t fmt_bytes(int fmt, size_t n) {
     switch (fmt) {
         case FMT_F32: return n * 4;
         case FMT_F16:

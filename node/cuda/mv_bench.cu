@@ -11,21 +11,11 @@
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
 
-static size_t host_fmt_bytes(int fmt, size_t n) {
-    switch (fmt) {
-        case FMT_F32: return n * 4;
-        case FMT_F16: case FMT_BF16: return n * 2;
-        case FMT_Q8_0: return n / 32 * 34;
-        case FMT_Q4_K: return n / 256 * 144;
-        default: return n / 256 * 210;
-    }
-}
-
 static uint16_t f2h(float f) { __half h = __float2half(f); uint16_t u; memcpy(&u, &h, 2); return u; }
 
 // Random weights whose scales are sane halves (so sums stay finite).
 static std::vector<uint8_t> random_weights(int fmt, size_t rows, size_t cols, unsigned seed) {
-    size_t n = host_fmt_bytes(fmt, rows * cols);
+    size_t n = fmt_bytes(fmt, rows * cols);
     std::vector<uint8_t> w(n);
     srand(seed);
     uint64_t st = 0x9E3779B97F4A7C15ull * seed;
@@ -75,7 +65,7 @@ int main(int argc, char** argv) {
         for (const Case& c0 : cases) {
             Case c = c0;
             c.fmt = fmt;
-            size_t per = host_fmt_bytes(fmt, (size_t)c.rows * c.cols) * c.nseg;
+            size_t per = fmt_bytes(fmt, (size_t)c.rows * c.cols) * c.nseg;
             int copies = (int)std::max<size_t>(2, (size_t)(600u << 20) / per + 1);
             if (per > (size_t)(300u << 20)) copies = 2;
             std::vector<void*> ws(copies * c.nseg);
