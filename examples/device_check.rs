@@ -10,6 +10,9 @@
 //!     the fused one-token GPU step (`cuda_decode`) against candle's ops on the same device, fed
 //!     the same tokens: largest logit difference (within 2% of the logit range) and top-1 ids;
 //!     quantized weights are compared with candle's f32-activation kernels;
+//!   device_check interleave <model> [--device cuda] [--tokens 64]
+//!     two sequences decoded turn about (as a server interleaves requests) give the same greedy
+//!     tokens as each decoded alone, and the milliseconds per token of both ways;
 //!   device_check time <model> [--device cuda] [--tokens 128] [--fused-only]
 //!     milliseconds per decode token, waiting for each token's id (as generation does) and
 //!     queueing them all with one wait at the end, fused and with candle's ops (a diagnostic).
@@ -177,6 +180,47 @@ fn main() -> anyhow::Result<()> {
             println!("{} {model}: fused vs candle decode over {n} steps: max |Δlogit| {:.3e} ({:.2e} of range), top-1 equal {same_top}/{n}", if ok { "PASS" } else { "FAIL" }, worst.0, worst.1);
             failures += usize::from(!ok);
         }
+        (Some("interleave"), Some(model)) => {
+            let n: usize = flag(&args, "--tokens").map(|t| t.parse()).transpose()?.unwrap_or(64);
+            let m = LoadedModel::load(model.as_ref(), &LoadOptions { device: device.clone(), ..LoadOptions::default() })?;
+            let prompts = [m.text.encode_prompt("The capital of France is")?, m.text.encode_prompt("Once upon a time, in a land far away,")?];
+            // Each sequence's cache and its last logits after the prompt.
+            let start = |ids: &[u32]| -> anyhow::Result<(shoal::engine::cache::ShardCache, Vec<f32>)> {
+                let mut cache = m.shard.new_cache();
+                let l = logits(&m.shard, ids, &mut cache, false)?.pop().context("no logits")?;
+                Ok((cache, l))
+            };
+            // Decodes `n` tokens of every sequence, one step of each in turn when `turns`, else
+            // each sequence to the end before the next; returns the tokens and ms per token.
+            let decode = |turns: bool| -> anyhow::Result<(Vec<Vec<u32>>, f64)> {
+                let mut seqs = prompts.iter().map(|p| start(p)).collect::<anyhow::Result<Vec<_>>>()?;
+                let mut toks = vec![Vec::new(); seqs.len()];
+                let order: Vec<usize> = if turns { (0..n).flat_map(|_| 0..seqs.len()).collect() } else { (0..seqs.len()).flat_map(|s| std::iter::repeat_n(s, n)).collect() };
+                let t0 = std::time::Instant::now();
+                for s in order {
+                    let (cache, l) = &mut seqs[s];
+                    let next = argmax(l);
+                    toks[s].push(next);
+                    *l = logits(&m.shard, &[next], cache, false)?.remove(0);
+                }
+                Ok((toks, t0.elapsed().as_secs_f64() * 1e3 / (n * seqs.len()) as f64))
+            };
+            // The first step captures the step's graph: its cost is what every switch between
+            // sequences paid while a graph was tied to one sequence's KV buffers.
+            let (mut cache, l) = start(&prompts[0])?;
+            let t0 = std::time::Instant::now();
+            let l = logits(&m.shard, &[argmax(&l)], &mut cache, false)?.remove(0);
+            let first_ms = t0.elapsed().as_secs_f64() * 1e3;
+            let t0 = std::time::Instant::now();
+            logits(&m.shard, &[argmax(&l)], &mut cache, false)?;
+            println!("  first step (captures the graph) {first_ms:.3} ms, the next {:.3} ms", t0.elapsed().as_secs_f64() * 1e3);
+            decode(false)?; // warm-up: cache allocation
+            let (alone, ms_alone) = decode(false)?;
+            let (turns, ms_turns) = decode(true)?;
+            let ok = alone == turns;
+            println!("{} {model}: 2 sequences x {n} tokens, decoded turn about {} those decoded alone; {ms_turns:.3} ms per token turn about, {ms_alone:.3} alone", if ok { "PASS" } else { "FAIL" }, if ok { "equal" } else { "differ from" });
+            failures += usize::from(!ok);
+        }
         (Some("time"), Some(model)) => {
             let n: usize = flag(&args, "--tokens").map(|t| t.parse()).transpose()?.unwrap_or(128);
             let m = LoadedModel::load(model.as_ref(), &LoadOptions { device: device.clone(), ..LoadOptions::default() })?;
@@ -198,7 +242,7 @@ fn main() -> anyhow::Result<()> {
                 }
             }
         }
-        _ => bail!("usage: device_check fixtures <dir> | same|fused|time <model> [--device cuda] [--tokens N] [--prompt TEXT]"),
+        _ => bail!("usage: device_check fixtures <dir> | same|fused|interleave|time <model> [--device cuda] [--tokens N] [--prompt TEXT]"),
     }
     if failures > 0 {
         bail!("{failures} check(s) failed");

@@ -5,7 +5,8 @@
 # and tokenizer.json travel.
 #   scripts/gpu-check.sh fidelity [fixtures]   fixtures vs transformers on the GPU; Qwen2.5-1.5B-shaped
 #                                   f16 and Q4_K_M: 16 greedy tokens on the GPU equal the CPU's,
-#                                   and the fused decode step agrees with candle's ops
+#                                   and the fused decode step agrees with candle's ops; two
+#                                   sequences decoded turn about equal each decoded alone
 #   scripts/gpu-check.sh bench [q15] [q7]   shoal bench (f16, Q4_K_M) for 1.5B and 7B shapes vs
 #                                   transformers f16 on the same GPU, one run, printed as a table
 #   scripts/gpu-check.sh swarm      a CUDA node and two CPU-only nodes (network namespaces when
@@ -51,6 +52,8 @@ fidelity() {
   "$CHECK" same "$WORK/q15-q4km/model.gguf" --device cuda --tokens 16 || fail=1
   "$CHECK" fused "$WORK/q15-f16" --device cuda --tokens 32 || fail=1
   "$CHECK" fused "$WORK/q15-q4km/model.gguf" --device cuda --tokens 32 || fail=1
+  "$CHECK" interleave "$WORK/q15-f16" --device cuda --tokens 64 || fail=1
+  "$CHECK" interleave "$WORK/q15-q4km/model.gguf" --device cuda --tokens 64 || fail=1
 }
 
 bench() { # bench [q15] [q7]: which model shapes (default both)

@@ -5,8 +5,9 @@
 //   ->  mv (o rows, added into the residual)  ->  mv (RMSNorm + gate/up rows, act(gate)·up)
 //   ->  mv (down rows, added into the residual)
 // plus `add_norm` for families with post-norms. Weights are read in the form they are stored
-// (f32/f16/bf16 rows, GGUF Q8_0/Q4_K/Q6_K blocks) and never copied; the position comes from
-// device memory so a step can be captured once as a CUDA graph and replayed. On sm_90 and later
+// (f32/f16/bf16 rows, GGUF Q8_0/Q4_K/Q6_K blocks) and never copied; the position and the
+// KV cache addresses come from device memory, so a step is captured once as a CUDA graph and
+// replayed for every sequence. On sm_90 and later
 // each kernel may start while the previous one finishes (programmatic dependent launch): it
 // prefetches what depends on no earlier kernel, then waits before reading earlier results.
 // What this file does not do: prompts (t > 1 run through candle and cuBLAS), batches, sampling.
@@ -41,6 +42,7 @@ struct MvArgs {
     int cols;
     int slice;           // input values per block row (gridDim.y = ceil(cols / slice))
     int q4k;             // 1: some matrix is Q4_K (the input is also staged for dot_q4_k)
+    int pairs;           // 1: each warp takes rows 2i and 2i + 1 together (f16/bf16 instances)
     const float* x;      // cols
     const float* norm_w; // cols: RMSNorm the input first; null: use x as it is
     float eps;
@@ -514,17 +516,33 @@ __device__ void mv_rows(const MvArgs& a) {
     int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     int first = blockIdx.x * warps + (threadIdx.x >> 5);
     int total = a.seg[0].rows + (a.nseg > 1 ? a.seg[1].rows : 0) + (a.nseg > 2 ? a.seg[2].rows : 0);
-    Staged in = stage_input(a, k0, kn, false, first, total, reinterpret_cast<float*>(xs4));
-    for (int r = first; r < total; r += gridDim.x * warps) {
-        int lr = r;
-        Seg sg = seg_of_row(a, &lr);
-        float y = dot_row<F>(sg.w, sg.fmt, lr, a.cols, k0, kn, in);
+    Staged in = stage_input(a, k0, kn, false, first << a.pairs, total, reinterpret_cast<float*>(xs4));
+    auto put = [&](int r, const Seg& sg, int lr, float y) {
         if (lane == 0) {
             if (sg.bias && k0 == 0) y += sg.bias[lr];
             if (a.mode != MODE_ADD) a.out[r] = y;
             else if (gridDim.y > 1) atomicAdd(&a.out[r], y);
             else a.out[r] += y;
         }
+    };
+    if ((F == FMT_F16 || F == FMT_BF16) && a.pairs) {
+        // More rows than warps: two rows a warp with their loads in flight together, rather
+        // than a second pass over the rows that leaves most warps idle.
+        for (int r = 2 * first; r < total; r += 2 * gridDim.x * warps) {
+            int lr[2] = {r, min(r + 1, total - 1)};
+            Seg sg[2] = {seg_of_row(a, &lr[0]), seg_of_row(a, &lr[1])};
+            const uint8_t* rows[2] = {row_at(sg[0].w, F, lr[0], a.cols, k0), row_at(sg[1].w, F, lr[1], a.cols, k0)};
+            float y[2];
+            dot_half<F == FMT_BF16 ? FMT_BF16 : FMT_F16, 2>(rows, kn, in.xs, y);
+            put(r, sg[0], lr[0], y[0]);
+            if (r + 1 < total) put(r + 1, sg[1], lr[1], y[1]);
+        }
+        return;
+    }
+    for (int r = first; r < total; r += gridDim.x * warps) {
+        int lr = r;
+        Seg sg = seg_of_row(a, &lr);
+        put(r, sg, lr, dot_row<F>(sg.w, sg.fmt, lr, a.cols, k0, kn, in));
     }
 }
 
@@ -581,17 +599,24 @@ extern "C" __global__ void add_norm(float* x, const float* h, const float* w, in
     for (int j = threadIdx.x; j < n; j += blockDim.x) x[j] += h[j] * rinv * w[j];
 }
 
+// One layer's KV cache for this step: (kv_heads, capacity, d) keys and values in cache_fmt.
+struct KvSlot {
+    void* k;
+    void* v;
+    long long capacity;
+};
+
+// The position and the KV caches live in device memory, written before each step's first
+// kernel, so one captured step replays for every sequence and every cache size.
 struct AttnArgs {
     const float* qkv;      // q (heads·d), then k (kv_heads·d), then v (kv_heads·d)
-    void* k_cache;         // (kv_heads, capacity, d) in cache_fmt
-    void* v_cache;
+    const KvSlot* kv;      // this layer's cache
     const float* inv_freq; // d/2
     const float* q_norm;   // d, or null
     const float* k_norm;   // d, or null
-    const int* pos;        // the new token's position (device memory, so graphs can replay)
+    const long long* pos;  // the new token's position
     float* out;            // heads·d
     int cache_fmt;         // FMT_F32, FMT_F16 or FMT_BF16
-    int capacity;
     int heads;
     int kv_heads;
     int d;
@@ -678,15 +703,17 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
     allow_next_kernel();
     int h = blockIdx.x, d = a.d;
     int rep = a.heads / a.kv_heads, kvh = h / rep;
-    int pos = *a.pos;  // written before the step's first kernel, not by the previous one
+    // Written before the step's first kernel, not by the previous one.
+    int pos = (int)*a.pos;
+    const KvSlot cache = *a.kv;
     int first = (a.window > 0 && pos + 1 > a.window) ? pos + 1 - a.window : 0;
-    size_t head_base = (size_t)kvh * a.capacity * d;
+    size_t head_base = (size_t)kvh * cache.capacity * d;
     // The cached keys and values this head will read depend on no earlier kernel: pull them
     // into L2 while that kernel finishes.
     {
         size_t esize = a.cache_fmt == FMT_F32 ? 4 : 2, bytes = (size_t)(pos - first) * d * esize;
-        const uint8_t* kp = reinterpret_cast<const uint8_t*>(a.k_cache) + (head_base + (size_t)first * d) * esize;
-        const uint8_t* vp = reinterpret_cast<const uint8_t*>(a.v_cache) + (head_base + (size_t)first * d) * esize;
+        const uint8_t* kp = reinterpret_cast<const uint8_t*>(cache.k) + (head_base + (size_t)first * d) * esize;
+        const uint8_t* vp = reinterpret_cast<const uint8_t*>(cache.v) + (head_base + (size_t)first * d) * esize;
         for (size_t off = (size_t)threadIdx.x * 128; off < bytes; off += (size_t)blockDim.x * 128) {
             asm volatile("prefetch.global.L2 [%0];" ::"l"(kp + off));
             asm volatile("prefetch.global.L2 [%0];" ::"l"(vp + off));
@@ -705,8 +732,8 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
     __syncthreads();
     if (h % rep == 0) {
         for (int i = threadIdx.x; i < d; i += blockDim.x) {
-            cache_store(a.k_cache, a.cache_fmt, head_base + (size_t)pos * d + i, kn[i]);
-            cache_store(a.v_cache, a.cache_fmt, head_base + (size_t)pos * d + i, vn[i]);
+            cache_store(cache.k, a.cache_fmt, head_base + (size_t)pos * d + i, kn[i]);
+            cache_store(cache.v, a.cache_fmt, head_base + (size_t)pos * d + i, vn[i]);
         }
     }
     int group = 1;
@@ -725,8 +752,8 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
         for (int u = 0; u < ATTN_UNROLL; u++) {
             int t = base + u * stride + grp, key = first + t;
             if (active && t < nkeys && key != pos) {
-                cache_load8(a.k_cache, a.cache_fmt, head_base + (size_t)key * d + col, kv[u]);
-                cache_load8(a.v_cache, a.cache_fmt, head_base + (size_t)key * d + col, vv[u]);
+                cache_load8(cache.k, a.cache_fmt, head_base + (size_t)key * d + col, kv[u]);
+                cache_load8(cache.v, a.cache_fmt, head_base + (size_t)key * d + col, vv[u]);
             } else {
 #pragma unroll
                 for (int e = 0; e < 8; e++) {

@@ -90,16 +90,18 @@ int main(int argc, char** argv) {
             int rows_total = gated ? c.rows : c.rows * c.nseg;
             int per_block = 8;  // rows, or gate/up pairs
             size_t smem = (size_t)slice * 4 + (fmt == FMT_Q4_K ? (size_t)slice * 4 + slice / 16 * 4 : 0);
-            int blocks = (rows_total + per_block - 1) / per_block;
             int slices = (c.cols + slice - 1) / slice;
-            if (waves > 0 && blocks > waves * sms) blocks = waves * sms;
-            if (waves > 0 && blocks * slices > waves * sms) blocks = std::max(1, waves * sms / slices);  // as cuda_decode.rs
+            int cap = waves > 0 ? std::max(1, waves * sms / slices) : 1 << 30;  // as cuda_decode.rs
+            // f16 rows beyond one per warp: timed one a warp and two a warp (`pairs`), side by side.
+            bool can_pair = fmt == FMT_F16 && !gated && rows_total > cap * per_block;
+            for (int pairs = 0; pairs <= (int)can_pair; pairs++) {
+            int blocks = std::min(cap, (rows_total + (per_block << pairs) - 1) / (per_block << pairs));
             dim3 grid(blocks, slices);
             auto launch = [&](int k) {
                 MvArgs a;
                 memset(&a, 0, sizeof a);
                 for (int s = 0; s < c.nseg; s++) { a.seg[s].w = ws[k * c.nseg + s]; a.seg[s].fmt = fmt; a.seg[s].rows = c.rows; }
-                a.nseg = c.nseg; a.cols = c.cols; a.slice = slice; a.q4k = fmt == FMT_Q4_K;
+                a.nseg = c.nseg; a.cols = c.cols; a.slice = slice; a.q4k = fmt == FMT_Q4_K; a.pairs = pairs;
                 a.x = x; a.norm_w = c.mode == MODE_ADD ? nullptr : nw; a.eps = 1e-6f; a.mode = c.mode; a.out = out;
                 auto kernel = gated ? kernels[fi][1] : kernels[fi][0];
                 if (!pdl) {
@@ -136,7 +138,8 @@ int main(int argc, char** argv) {
             CK(cudaMemcpy(ho.data(), out, rows_total * 4, cudaMemcpyDeviceToHost));
             double check = 0;
             for (int i = 0; i < rows_total; i++) check += ho[i] * (double)(i % 7 + 1);
-            printf("%-5s %-13s %7.1f us  %7.0f GB/s  (%.1f MB, grid %dx%d)  check %.6e\n", fmt_names[fi], c.name, us, per / us / 1e3, per / 1e6, grid.x, grid.y, check);
+            printf("%-5s %-13s %7.1f us  %7.0f GB/s  (%.1f MB, grid %dx%d%s)  check %.6e\n", fmt_names[fi], c.name, us, per / us / 1e3, per / 1e6, grid.x, grid.y, pairs ? ", pairs" : "", check);
+            }
             for (void* p : ws) cudaFree(p);
             cudaFree(x); cudaFree(nw); cudaFree(out);
         }

@@ -1,9 +1,8 @@
 //! The fused decode step on an NVIDIA GPU: one token of a shard's layers in five kernels per
 //! layer (`cuda/decode.cu`), reading the weights where candle loaded them (dense rows or GGUF
 //! blocks, never copied) and the KV cache in place, with f32 activations throughout. The launch
-//! sequence is captured once as a CUDA graph and replayed each token; a replay only needs the
-//! position (in device memory) and is re-captured when the KV buffers move (a new sequence, or
-//! a cache that grew).
+//! sequence is captured once as a CUDA graph and replayed each token, for every sequence: the
+//! position and the KV buffers' addresses are read from device memory, written before each step.
 //! What it does not do: prompts (t > 1 stay on candle and cuBLAS), tensor-parallel slices, or
 //! anything on the CPU. A shard whose weights or shapes these kernels do not cover says why at
 //! load and keeps candle's path.
@@ -63,6 +62,7 @@ struct MvArgs {
     cols: i32,
     slice: i32,
     q4k: i32,
+    pairs: i32,
     x: u64,
     norm_w: u64,
     eps: f32,
@@ -75,15 +75,13 @@ struct MvArgs {
 #[derive(Clone, Copy, Default)]
 struct AttnArgs {
     qkv: u64,
-    k_cache: u64,
-    v_cache: u64,
+    kv: u64,
     inv_freq: u64,
     q_norm: u64,
     k_norm: u64,
     pos: u64,
     out: u64,
     cache_fmt: i32,
-    capacity: i32,
     heads: i32,
     kv_heads: i32,
     d: i32,
@@ -94,12 +92,12 @@ struct AttnArgs {
     eps: f32,
 }
 
-/// One kernel launch of the step; cache pointers are filled in per step.
+/// One kernel launch of the step (attention finds its KV cache through `Buffers::step`).
 #[derive(Clone, Copy)]
 enum Launch {
     /// `kernel`: the instance for its matrices' formats (see `mv_kernel`).
     Mv { args: MvArgs, rows: u32, kernel: &'static str },
-    Attend { args: AttnArgs, layer: usize },
+    Attend { args: AttnArgs },
     AddNorm { x: u64, h: u64, w: u64, n: i32, eps: f32 },
 }
 
@@ -108,10 +106,12 @@ enum Launch {
 struct Buffers {
     /// The residual stream (hidden f32).
     x: Tensor,
-    pos: CudaSlice<i32>,
+    /// What a step reads from the host: the position, then per layer the key and value cache
+    /// addresses and their capacity (`KvSlot` in decode.cu), written before the step's kernels.
+    step: CudaSlice<u64>,
     logits: Option<Tensor>,
-    /// The captured step and the KV pointers it was captured with.
-    graph: Option<(Captured, Vec<(u64, u64, i32)>)>,
+    /// The captured step, replayed for every sequence.
+    graph: Option<Captured>,
 }
 
 /// A captured step. CUDA graph handles may move between threads; they must not be used from two
@@ -132,6 +132,8 @@ pub struct FusedDecode {
     hidden: usize,
     /// Most `mv` blocks per launch (row blocks loop beyond it; 0: one block per 8 rows).
     mv_blocks: u32,
+    /// Whether f16/bf16 launches with more rows than warps take two rows a warp.
+    mv_pairs: bool,
     attend_threads: u32,
     /// Launch with programmatic stream serialization (sm_90 on): a kernel's blocks may start
     /// while the previous kernel finishes (the kernels wait before reading its results).
@@ -337,8 +339,8 @@ impl FusedDecode {
         let mut p = Planner { device, keep: Vec::new(), max_smem: 0 };
         let x_t = Tensor::zeros(hidden, DType::F32, device)?;
         let x = tensor_ptr(&x_t)?;
-        let pos = stream.alloc_zeros::<i32>(1).map_err(driver)?;
-        let pos_ptr = pos.device_ptr(&stream).0;
+        let step = stream.alloc_zeros::<u64>(1 + 3 * layers.len()).map_err(driver)?;
+        let pos_ptr = step.device_ptr(&stream).0;
         let cache_fmt = dense_fmt(dtype)?;
         let mut launches = Vec::new();
         let mut kv = Vec::new();
@@ -362,6 +364,7 @@ impl FusedDecode {
             let k_norm = a.k_norm.as_ref().map(|n| p.vector(&n.weight)).transpose()?.unwrap_or(0);
             let args = AttnArgs {
                 qkv,
+                kv: pos_ptr + 8 * (1 + 3 * kv.len() as u64),
                 inv_freq: inv_freq_ptr,
                 q_norm,
                 k_norm,
@@ -378,7 +381,7 @@ impl FusedDecode {
                 eps: a.q_norm.as_ref().map_or(layer.attn_norm.eps, |n| n.eps),
                 ..AttnArgs::default()
             };
-            launches.push(Launch::Attend { args, layer: kv.len() });
+            launches.push(Launch::Attend { args });
             kv.push((a.num_kv_heads, d, dtype));
             launches.extend(p.residual(&a.o, attn_out, layer.post_attn_norm.as_ref(), x, h, hidden)?);
             let m = &layer.mlp;
@@ -418,6 +421,7 @@ impl FusedDecode {
         // `SHOAL_KERNEL_OVERLAP=0`: launch each kernel only after the previous one (a diagnostic).
         let overlap = major >= 9 && std::env::var("SHOAL_KERNEL_OVERLAP").map_or(true, |v| v != "0");
         let mv_blocks = sms * tuned("MV_WAVES", 4);
+        let mv_pairs = tuned("PAIRS", 1) != 0;
         let attend_threads = tuned("ATTEND_THREADS", 512).clamp(64, 512) / 32 * 32;
         let use_graph = std::env::var("SHOAL_CUDA_GRAPH").map_or(true, |v| v != "0");
         // `SHOAL_FUSED_DECODE=0` turns the fused step off (a diagnostic).
@@ -432,9 +436,10 @@ impl FusedDecode {
             kv,
             hidden,
             mv_blocks,
+            mv_pairs,
             attend_threads,
             overlap,
-            buffers: Mutex::new(Buffers { x: x_t, pos, logits, graph: None }),
+            buffers: Mutex::new(Buffers { x: x_t, step, logits, graph: None }),
             _keep: p.keep,
             enabled: AtomicBool::new(enabled),
             use_graph: use_graph && profile.is_none(),
@@ -461,26 +466,23 @@ impl FusedDecode {
         let cu = self.stream.cu_stream();
         // SAFETY: both buffers are `hidden` f32 values on this device; the copy is in stream order.
         unsafe { candle_core::cuda_backend::cudarc::driver::result::memcpy_dtod_async(tensor_ptr(&b.x)?, tensor_ptr(&x)?, self.hidden * 4, cu) }.map_err(driver)?;
-        self.stream.memcpy_htod(&[pos as i32], &mut b.pos).map_err(driver)?;
-        let mut caches = Vec::with_capacity(self.kv.len());
+        let mut step = Vec::with_capacity(1 + 3 * self.kv.len());
+        step.push(pos as u64);
         for (lc, &(kv_heads, d, dtype)) in cache.layers.iter_mut().zip(&self.kv) {
             let (k, v) = lc.reserve(pos + 1, kv_heads, d, dtype, &device)?;
-            caches.push((tensor_ptr(k)?, tensor_ptr(v)?, k.dim(2)? as i32));
+            step.extend([tensor_ptr(k)?, tensor_ptr(v)?, k.dim(2)? as u64]);
         }
-        let replay = matches!(&b.graph, Some((_, captured)) if *captured == caches);
-        if !replay {
-            b.graph = None;
-            if self.use_graph {
-                self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(driver)?;
-                let launched = self.launch_all(&caches);
-                let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(driver);
-                launched?;
-                b.graph = graph?.map(|g| (Captured(g), caches.clone()));
-            }
+        self.stream.memcpy_htod(&step, &mut b.step).map_err(driver)?;
+        if b.graph.is_none() && self.use_graph {
+            self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(driver)?;
+            let launched = self.launch_all();
+            let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(driver);
+            launched?;
+            b.graph = graph?.map(Captured);
         }
         match &b.graph {
-            Some((g, _)) => g.0.launch().map_err(driver)?,
-            None => self.launch_all(&caches)?,
+            Some(g) => g.0.launch().map_err(driver)?,
+            None => self.launch_all()?,
         }
         for lc in cache.layers.iter_mut() {
             lc.advance(1);
@@ -520,8 +522,8 @@ impl FusedDecode {
         unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result().map_err(driver)
     }
 
-    /// Every kernel of one step, in order, with this step's KV buffers.
-    fn launch_all(&self, caches: &[(u64, u64, i32)]) -> Result<()> {
+    /// Every kernel of one step, in order (the KV buffers are in `Buffers::step`).
+    fn launch_all(&self) -> Result<()> {
         let mut prof = self.profile.as_ref().map(|p| p.lock().unwrap_or_else(|e| e.into_inner()));
         let mut mv_in_layer = 0usize;
         let mut events = Vec::new();
@@ -535,17 +537,19 @@ impl FusedDecode {
                     // A block takes 8 rows (or gate/up pairs) at a time; a split grid's blocks
                     // loop over more rows so that each staged input slice serves several.
                     let slices = (args.cols as u32).div_ceil(args.slice as u32);
-                    let blocks = rows.div_ceil(MV_THREADS / 32);
-                    let blocks = if self.mv_blocks == 0 { blocks } else { blocks.clamp(1, (self.mv_blocks / slices).max(1)) };
+                    let warps = MV_THREADS / 32;
+                    let cap = if self.mv_blocks == 0 { u32::MAX } else { (self.mv_blocks / slices).max(1) };
+                    // f16/bf16 rows beyond one per warp go two to a warp (`pairs` in decode.cu).
+                    args.pairs = i32::from(self.mv_pairs && matches!(kernel, "mv_f16" | "mv_bf16") && rows > cap.saturating_mul(warps));
+                    let blocks = rows.div_ceil(warps << args.pairs).clamp(1, cap);
                     let cfg = LaunchConfig { grid_dim: (blocks, slices, 1), block_dim: (MV_THREADS, 1, 1), shared_mem_bytes: mv_smem(&args) as u32 };
                     // SAFETY: `args` points at buffers kept alive by `self` (weights held by the
                     // shard, scratch in `_keep`), sized at planning for these rows and columns.
                     unsafe { self.launch(&self.mv[kernel], cfg, &mut [(&raw mut args).cast()]) }?;
                 }
-                Launch::Attend { mut args, layer } => {
-                    (args.k_cache, args.v_cache, args.capacity) = caches[layer];
+                Launch::Attend { mut args } => {
                     let cfg = LaunchConfig { grid_dim: (args.heads as u32, 1, 1), block_dim: (self.attend_threads, 1, 1), shared_mem_bytes: 0 };
-                    // SAFETY: as above; the caches hold `capacity` > position rows (reserved).
+                    // SAFETY: as above; `step` names caches with `capacity` > position rows (reserved).
                     unsafe { self.launch(&self.attend, cfg, &mut [(&raw mut args).cast()]) }?;
                 }
                 Launch::AddNorm { mut x, mut h, mut w, mut n, mut eps } => {
