@@ -38,6 +38,7 @@ mod models;
 mod net;
 mod real_models;
 mod sharding;
+mod sampler;
 mod simulator;
 mod netns;
 mod serve_tp;

@@ -75,13 +75,20 @@ pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
     counts: std::collections::HashMap<u32, u32>,
+    /// The candidates of the current step, reused so that a step allocates nothing.
+    cands: Vec<(u32, f32)>,
+}
+
+/// Best first: the higher weight, then the lower token id.
+fn best_first(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
+    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
 }
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Result<Self> {
         params.validate()?;
         let seed = params.seed.unwrap_or_else(|| rand::rng().random());
-        Ok(Sampler { params, rng: StdRng::seed_from_u64(seed), counts: Default::default() })
+        Ok(Sampler { params, rng: StdRng::seed_from_u64(seed), counts: Default::default(), cands: Vec::new() })
     }
 
     /// Picks the next token from `logits` given the sequence so far (`history`).
@@ -90,43 +97,71 @@ impl Sampler {
         if self.params.temperature == 0.0 {
             return argmax(logits);
         }
-        let temp = self.params.temperature;
+        self.distribution(logits);
+        let r = self.rng.random::<f64>() * weight_sum(&self.cands);
+        let mut acc = 0.0;
+        for &(id, p) in &self.cands {
+            acc += p as f64;
+            if r < acc {
+                return id;
+            }
+        }
+        self.cands.last().map_or(0, |c| c.0)
+    }
+
+    /// The tokens that temperature, top-k, top-p and min-p keep (for `temperature > 0`), each
+    /// with a weight proportional to its probability, the best token's being 1; `logits` is
+    /// overwritten with every token's weight. The order is by token id unless top-p sorted it.
+    /// A whole vocabulary is never sorted: top-k selects, min-p filters, and top-p sorts only
+    /// the candidates heavy enough to be in its nucleus (a few hundred for a real model), so a
+    /// step costs a few passes over the logits, not a sort of 150k of them.
+    pub fn distribution(&mut self, logits: &mut [f32]) -> &[(u32, f32)] {
+        let p = &self.params;
+        let temp = p.temperature;
+        let cands = &mut self.cands;
+        cands.clear();
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        // Tokens more than e^-40 below the best cannot matter after softmax: drop them before sorting.
+        // Weights relative to the best token's (whose weight is 1), in place over the whole
+        // vocabulary (one vectorised pass); the draw and the cuts below need no normalised
+        // probabilities. Tokens more than e^-40 below the best cannot matter after softmax:
+        // weight 0, never candidates (as NaN logits).
         let floor = max - 40.0 * temp;
-        let mut cands: Vec<(u32, f32)> = logits.iter().enumerate().filter(|(_, l)| **l >= floor).map(|(i, l)| (i as u32, *l)).collect();
-        cands.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if let Some(k) = self.params.top_k {
+        let scale = 1.0 / temp;
+        for l in logits.iter_mut() {
+            *l = if *l >= floor { exp_nonpositive((*l - max) * scale) } else { 0.0 };
+        }
+        cands.extend(logits.iter().enumerate().filter(|(_, w)| **w > 0.0).map(|(i, w)| (i as u32, *w)));
+        if cands.is_empty() {
+            // Only NaN logits: the first token, as argmax would say.
+            cands.push((0, 1.0));
+            return cands;
+        }
+        if let Some(k) = p.top_k.filter(|k| *k < cands.len()) {
+            cands.select_nth_unstable_by(k.max(1) - 1, best_first);
             cands.truncate(k.max(1));
         }
-        let mut probs: Vec<f32> = cands.iter().map(|(_, l)| ((l - max) / temp).exp()).collect();
-        let total: f32 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= total);
-        let mut keep = probs.len();
-        if self.params.top_p < 1.0 {
+        // Probabilities are normalised over the top-k candidates, before top-p and min-p cut.
+        let total = weight_sum(cands);
+        if p.min_p > 0.0 {
+            cands.retain(|c| c.1 >= p.min_p);
+        }
+        if p.top_p < 1.0 {
+            // The shortest best-first prefix whose mass reaches top_p. Candidates lighter than
+            // (1 - top_p)·total / n all together weigh less than the (1 - top_p) share that
+            // prefix leaves out, so it ends before any of them: drop them, then sort the rest
+            // (a few hundred for a real model's logits).
+            let light = ((1.0 - p.top_p as f64) * total / cands.len() as f64) as f32;
+            cands.retain(|c| c.1 >= light);
+            cands.sort_unstable_by(best_first);
             let mut acc = 0.0;
-            for (i, p) in probs.iter().enumerate() {
-                acc += p;
-                if acc >= self.params.top_p {
-                    keep = i + 1;
-                    break;
-                }
+            if let Some(i) = cands.iter().position(|c| {
+                acc += c.1 as f64;
+                acc >= p.top_p as f64 * total
+            }) {
+                cands.truncate(i + 1);
             }
         }
-        if self.params.min_p > 0.0 {
-            let threshold = self.params.min_p * probs[0];
-            keep = keep.min(probs.iter().take_while(|p| **p >= threshold).count().max(1));
-        }
-        let kept = &probs[..keep];
-        let r = self.rng.random::<f32>() * kept.iter().sum::<f32>();
-        let mut acc = 0.0;
-        for (i, p) in kept.iter().enumerate() {
-            acc += p;
-            if r < acc {
-                return cands[i].0;
-            }
-        }
-        cands[keep - 1].0
+        cands
     }
 
     fn apply_penalties(&mut self, logits: &mut [f32], history: &[u32]) {
@@ -147,6 +182,34 @@ impl Sampler {
             *l -= p.presence_penalty + p.frequency_penalty * count as f32;
         }
     }
+}
+
+/// The sum of the candidates' weights in f64 (a vocabulary's worth of f32 adds drifts), in
+/// eight running sums (one is a chain of dependent adds, four times slower).
+fn weight_sum(cands: &[(u32, f32)]) -> f64 {
+    let mut lanes = [0f64; 8];
+    let chunks = cands.chunks_exact(8);
+    let rest: f64 = chunks.remainder().iter().map(|c| c.1 as f64).sum();
+    for ch in chunks {
+        for (l, c) in lanes.iter_mut().zip(ch) {
+            *l += c.1 as f64;
+        }
+    }
+    lanes.iter().sum::<f64>() + rest
+}
+
+/// e^x for x <= 0, within 1e-5 relative (0 below e^-87): 2^(x·log2 e) as an integer power of two
+/// times a polynomial for the fraction. Straight-line float and integer arithmetic, so a loop
+/// over a vocabulary's weights vectorises where libm's `expf` calls would not.
+pub fn exp_nonpositive(x: f32) -> f32 {
+    let t = (x * std::f32::consts::LOG2_E).max(-126.0);
+    // Round to the nearest integer by the float-add trick: n in [-126, 0], f in [-0.5, 0.5].
+    const ROUND: f32 = 12_582_912.0; // 1.5 · 2^23
+    let n = (t + ROUND) - ROUND;
+    let f = t - n;
+    // 2^f on [-0.5, 0.5] (Taylor series of e^(f ln 2) to the sixth power).
+    let p = 1.0 + f * (0.693_147_2 + f * (0.240_226_5 + f * (0.055_504_11 + f * (0.009_618_129 + f * (0.001_333_355 + f * 0.000_154_035_3)))));
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
 /// Index of the largest logit; the lowest index wins a tie (as torch.argmax does).
