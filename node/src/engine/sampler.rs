@@ -94,43 +94,43 @@ impl Sampler {
     /// Picks the next token from `logits` given the sequence so far (`history`).
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
         self.apply_penalties(logits, history);
-        if self.params.temperature == 0.0 {
+        let p = &self.params;
+        if p.temperature == 0.0 {
             return argmax(logits);
         }
-        self.distribution(logits);
-        let r = self.rng.random::<f64>() * weight_sum(&self.cands);
-        let mut acc = 0.0;
-        for &(id, p) in &self.cands {
-            acc += p as f64;
-            if r < acc {
-                return id;
-            }
+        if p.top_k.is_none() && p.top_p >= 1.0 && p.min_p == 0.0 {
+            // Every token is a candidate: draw straight from the weights.
+            let total = to_weights(logits, p.temperature);
+            let r = self.rng.random::<f64>() * total;
+            return draw(logits.iter().enumerate().map(|(i, w)| (i as u32, *w)), r);
         }
-        self.cands.last().map_or(0, |c| c.0)
+        self.distribution(logits);
+        let r = self.rng.random::<f64>() * weight_sum(self.cands.iter().map(|c| c.1));
+        draw(self.cands.iter().copied(), r)
     }
 
     /// The tokens that temperature, top-k, top-p and min-p keep (for `temperature > 0`), each
     /// with a weight proportional to its probability, the best token's being 1; `logits` is
     /// overwritten with every token's weight. The order is by token id unless top-p sorted it.
-    /// A whole vocabulary is never sorted: top-k selects, min-p filters, and top-p sorts only
-    /// the candidates heavy enough to be in its nucleus (a few hundred for a real model), so a
-    /// step costs a few passes over the logits, not a sort of 150k of them.
+    /// A whole vocabulary is never sorted, nor even gathered: only tokens that can pass the
+    /// cuts become candidates (top-k: those above a weight that at least k tokens reach; top-p:
+    /// those heavy enough for its nucleus), then top-k selects, min-p filters and top-p sorts
+    /// what is left (tens to hundreds of tokens for a real model).
     pub fn distribution(&mut self, logits: &mut [f32]) -> &[(u32, f32)] {
         let p = &self.params;
-        let temp = p.temperature;
         let cands = &mut self.cands;
         cands.clear();
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        // Weights relative to the best token's (whose weight is 1), in place over the whole
-        // vocabulary (one vectorised pass); the draw and the cuts below need no normalised
-        // probabilities. Tokens more than e^-40 below the best cannot matter after softmax:
-        // weight 0, never candidates (as NaN logits).
-        let floor = max - 40.0 * temp;
-        let scale = 1.0 / temp;
-        for l in logits.iter_mut() {
-            *l = if *l >= floor { exp_nonpositive((*l - max) * scale) } else { 0.0 };
-        }
-        cands.extend(logits.iter().enumerate().filter(|(_, w)| **w > 0.0).map(|(i, w)| (i as u32, *w)));
+        let all = to_weights(logits, p.temperature);
+        // The lightest weight a candidate can have (every candidate is also > 0).
+        let lightest = match p.top_k {
+            // The k best all weigh at least the first of these that k tokens reach.
+            Some(k) => [(-1f32).exp(), (-4f32).exp(), (-16f32).exp()].into_iter().find(|t| logits.iter().filter(|w| **w >= *t).count() >= k).unwrap_or(0.0),
+            // Tokens lighter than (1 - top_p)·total / n together weigh less than the share
+            // top-p leaves out, so its nucleus (the shortest best-first prefix reaching top_p)
+            // ends before any of them.
+            None => p.min_p.max(((1.0 - p.top_p as f64) * all / logits.len() as f64) as f32),
+        };
+        cands.extend(logits.iter().enumerate().filter(|(_, w)| **w > 0.0 && **w >= lightest).map(|(i, w)| (i as u32, *w)));
         if cands.is_empty() {
             // Only NaN logits: the first token, as argmax would say.
             cands.push((0, 1.0));
@@ -140,18 +140,18 @@ impl Sampler {
             cands.select_nth_unstable_by(k.max(1) - 1, best_first);
             cands.truncate(k.max(1));
         }
-        // Probabilities are normalised over the top-k candidates, before top-p and min-p cut.
-        let total = weight_sum(cands);
+        // Probabilities are normalised over the top-k candidates (else over every token),
+        // before top-p and min-p cut.
+        let total = if p.top_k.is_some() { weight_sum(cands.iter().map(|c| c.1)) } else { all };
         if p.min_p > 0.0 {
             cands.retain(|c| c.1 >= p.min_p);
         }
         if p.top_p < 1.0 {
-            // The shortest best-first prefix whose mass reaches top_p. Candidates lighter than
-            // (1 - top_p)·total / n all together weigh less than the (1 - top_p) share that
-            // prefix leaves out, so it ends before any of them: drop them, then sort the rest
-            // (a few hundred for a real model's logits).
-            let light = ((1.0 - p.top_p as f64) * total / cands.len() as f64) as f32;
-            cands.retain(|c| c.1 >= light);
+            if p.top_k.is_some() {
+                // As above, within the top-k.
+                let light = ((1.0 - p.top_p as f64) * total / cands.len() as f64) as f32;
+                cands.retain(|c| c.1 >= light);
+            }
             cands.sort_unstable_by(best_first);
             let mut acc = 0.0;
             if let Some(i) = cands.iter().position(|c| {
@@ -184,18 +184,44 @@ impl Sampler {
     }
 }
 
-/// The sum of the candidates' weights in f64 (a vocabulary's worth of f32 adds drifts), in
-/// eight running sums (one is a chain of dependent adds, four times slower).
-fn weight_sum(cands: &[(u32, f32)]) -> f64 {
+/// Overwrites logits with weights relative to the best token's (whose weight is 1):
+/// exp((l - max) / temperature), in one vectorised pass; tokens more than e^-40 below the best
+/// cannot matter after softmax and get 0 (as NaN logits). Returns the weights' sum.
+fn to_weights(logits: &mut [f32], temperature: f32) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let floor = max - 40.0 * temperature;
+    let scale = 1.0 / temperature;
+    for l in logits.iter_mut() {
+        *l = if *l >= floor { exp_nonpositive((*l - max) * scale) } else { 0.0 };
+    }
+    weight_sum(logits.iter().copied())
+}
+
+/// A sum of weights in f64 (a vocabulary's worth of f32 adds drifts), in eight running sums
+/// (one is a chain of dependent adds, four times slower).
+fn weight_sum(weights: impl Iterator<Item = f32>) -> f64 {
     let mut lanes = [0f64; 8];
-    let chunks = cands.chunks_exact(8);
-    let rest: f64 = chunks.remainder().iter().map(|c| c.1 as f64).sum();
-    for ch in chunks {
-        for (l, c) in lanes.iter_mut().zip(ch) {
-            *l += c.1 as f64;
+    for (i, w) in weights.enumerate() {
+        lanes[i % 8] += w as f64;
+    }
+    lanes.iter().sum()
+}
+
+/// The token where the running sum of weights first passes `r` (the last one if rounding
+/// leaves `r` beyond the sum).
+fn draw(weights: impl Iterator<Item = (u32, f32)>, r: f64) -> u32 {
+    let mut acc = 0.0;
+    let mut last = 0;
+    for (id, w) in weights {
+        if w > 0.0 {
+            acc += w as f64;
+            last = id;
+            if r < acc {
+                return id;
+            }
         }
     }
-    lanes.iter().sum::<f64>() + rest
+    last
 }
 
 /// e^x for x <= 0, within 1e-5 relative (0 below e^-87): 2^(x·log2 e) as an integer power of two
