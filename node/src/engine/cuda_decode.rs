@@ -340,7 +340,7 @@ impl FusedDecode {
         let x_t = Tensor::zeros(hidden, DType::F32, device)?;
         let x = tensor_ptr(&x_t)?;
         let step = stream.alloc_zeros::<u64>(1 + 3 * layers.len()).map_err(driver)?;
-        let pos_ptr = step.device_ptr(&stream).0;
+        let step_ptr = step.device_ptr(&stream).0;
         let cache_fmt = dense_fmt(dtype)?;
         let mut launches = Vec::new();
         let mut kv = Vec::new();
@@ -364,11 +364,11 @@ impl FusedDecode {
             let k_norm = a.k_norm.as_ref().map(|n| p.vector(&n.weight)).transpose()?.unwrap_or(0);
             let args = AttnArgs {
                 qkv,
-                kv: pos_ptr + 8 * (1 + 3 * kv.len() as u64),
+                kv: step_ptr + 8 * (1 + 3 * kv.len() as u64),
                 inv_freq: inv_freq_ptr,
                 q_norm,
                 k_norm,
-                pos: pos_ptr,
+                pos: step_ptr,
                 out: attn_out,
                 cache_fmt,
                 heads: a.num_heads as i32,

@@ -111,7 +111,8 @@ impl Sampler {
 
     /// The tokens that temperature, top-k, top-p and min-p keep (for `temperature > 0`), each
     /// with a weight proportional to its probability, the best token's being 1; `logits` is
-    /// overwritten with every token's weight. The order is by token id unless top-p sorted it.
+    /// overwritten with every token's weight. The order is by token id unless top-k selected or
+    /// top-p sorted (deterministic either way, so a seeded run repeats).
     /// A whole vocabulary is never sorted, nor even gathered: only tokens that can pass the
     /// cuts become candidates (top-k: those above a weight that at least k tokens reach; top-p:
     /// those heavy enough for its nucleus), then top-k selects, min-p filters and top-p sorts
@@ -224,7 +225,7 @@ fn draw(weights: impl Iterator<Item = (u32, f32)>, r: f64) -> u32 {
     last
 }
 
-/// e^x for x <= 0, within 1e-5 relative (0 below e^-87): 2^(x·log2 e) as an integer power of two
+/// e^x for x <= 0, within 1e-5 relative (2^-126 below e^-87): 2^(x·log2 e) as an integer power of two
 /// times a polynomial for the fraction. Straight-line float and integer arithmetic, so a loop
 /// over a vocabulary's weights vectorises where libm's `expf` calls would not.
 pub fn exp_nonpositive(x: f32) -> f32 {
