@@ -72,8 +72,7 @@ pub fn generate(model: &LoadedModel, req: &GenerationRequest, sink: &mut dyn FnM
         let ShardOutput::Logits(logits) = model.shard.forward(ShardInput::Tokens(&input), &mut cache, false)? else {
             return Err(EngineError::Shard("a single-node model must end with logits".into()));
         };
-        let mut logits = logits.squeeze(0)?.to_vec1::<f32>()?;
-        let id = sampler.sample(&mut logits, &history);
+        let id = sampler.sample_logits(&logits.squeeze(0)?, &history)?;
         history.push(id);
         match stream.token(id)? {
             TokenText::StopToken => break FinishReason::Stop,

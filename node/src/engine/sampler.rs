@@ -91,6 +91,18 @@ impl Sampler {
         Ok(Sampler { params, rng: StdRng::seed_from_u64(seed), counts: Default::default(), cands: Vec::new() })
     }
 
+    /// Picks the next token from a row of logits (rank 1) where the model left them (a GPU's memory, or
+    /// the host's). Plain greedy decoding reads only the argmax from a GPU; every other setting
+    /// needs the whole row on the host (a 600 KB copy for a 150k vocabulary).
+    pub fn sample_logits(&mut self, logits: &candle_core::Tensor, history: &[u32]) -> Result<u32> {
+        let p = &self.params;
+        let plain_greedy = p.temperature == 0.0 && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0;
+        if plain_greedy && !logits.device().is_cpu() {
+            return Ok(logits.argmax(0)?.to_scalar::<u32>()?);
+        }
+        Ok(self.sample(&mut logits.to_vec1::<f32>()?, history))
+    }
+
     /// Picks the next token from `logits` given the sequence so far (`history`).
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
         self.apply_penalties(logits, history);

@@ -113,9 +113,8 @@ impl StageService {
                 Ok(StepOutput::Hidden { rows, hidden, data })
             }
             ShardOutput::Logits(l) => {
-                let mut logits = l.squeeze(0)?.to_vec1::<f32>()?;
                 let sampler = session.sampler.as_mut().ok_or_else(|| EngineError::Shard("the last stage has no sampler for this request".into()))?;
-                Ok(StepOutput::Token(sampler.sample(&mut logits, &step.history)))
+                Ok(StepOutput::Token(sampler.sample_logits(&l.squeeze(0)?, &step.history)?))
             }
         }
     }
