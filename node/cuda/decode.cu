@@ -48,6 +48,8 @@ struct MvArgs {
     float eps;
     int mode;
     float* out;
+    float* partial;      // split-K: slices x rows partial sums, or null (then summed atomically)
+    unsigned* arrivals;  // split-K: per block column, slices that have written their partials
 };
 
 // Programmatic dependent launch (Hopper on): `allow_next_kernel` lets the next kernel's blocks
@@ -508,7 +510,9 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
 
 // out (=|+=) W · norm(x) over up to three stacked matrices, one warp per output row. Long rows
 // added into the residual are split over block rows (split-K): block row y takes input values
-// [k0, k0 + kn) and adds its partial sums atomically.
+// [k0, k0 + kn) and stores its partial sums; the last block of a column to finish adds them to
+// the output in slice order, so that every run sums in the same order (atomic adds would not,
+// and a seeded sampler would then draw differently from run to run).
 template <int F>
 __device__ void mv_rows(const MvArgs& a) {
     extern __shared__ float4 xs4[];  // float4: 16-byte aligned for the vector loads
@@ -521,8 +525,9 @@ __device__ void mv_rows(const MvArgs& a) {
         if (lane == 0) {
             if (sg.bias && k0 == 0) y += sg.bias[lr];
             if (a.mode != MODE_ADD) a.out[r] = y;
-            else if (gridDim.y > 1) atomicAdd(&a.out[r], y);
-            else a.out[r] += y;
+            else if (gridDim.y == 1) a.out[r] += y;
+            else if (a.partial) a.partial[(size_t)blockIdx.y * total + r] = y;
+            else atomicAdd(&a.out[r], y);
         }
     };
     if ((F == FMT_F16 || F == FMT_BF16) && a.pairs) {
@@ -537,12 +542,33 @@ __device__ void mv_rows(const MvArgs& a) {
             put(r, sg[0], lr[0], y[0]);
             if (r + 1 < total) put(r + 1, sg[1], lr[1], y[1]);
         }
-        return;
+    } else {
+        for (int r = first; r < total; r += gridDim.x * warps) {
+            int lr = r;
+            Seg sg = seg_of_row(a, &lr);
+            put(r, sg, lr, dot_row<F>(sg.w, sg.fmt, lr, a.cols, k0, kn, in));
+        }
     }
-    for (int r = first; r < total; r += gridDim.x * warps) {
-        int lr = r;
-        Seg sg = seg_of_row(a, &lr);
-        put(r, sg, lr, dot_row<F>(sg.w, sg.fmt, lr, a.cols, k0, kn, in));
+    if (gridDim.y > 1 && a.partial) {
+        __shared__ int last;
+        __threadfence();  // this block's partials, visible before its arrival counts
+        __syncthreads();
+        if (threadIdx.x == 0) last = atomicAdd(&a.arrivals[blockIdx.x], 1u) == gridDim.y - 1;
+        __syncthreads();
+        if (last) {
+            __threadfence();
+            // The rows this block column took (`span` a pass, passes gridDim.x spans apart), a
+            // thread per row: one round of loads, not a warp walking its rows one by one.
+            int span = warps << a.pairs;
+            for (int q = threadIdx.x;; q += blockDim.x) {
+                int r = blockIdx.x * span + q / span * gridDim.x * span + q % span;
+                if (r >= total) break;
+                float sum = 0.f;
+                for (int s = 0; s < (int)gridDim.y; s++) sum += __ldcg(&a.partial[(size_t)s * total + r]);
+                a.out[r] += sum;
+            }
+            if (threadIdx.x == 0) a.arrivals[blockIdx.x] = 0;
+        }
     }
 }
 

@@ -97,12 +97,21 @@ int main(int argc, char** argv) {
             for (int pairs = 0; pairs <= (int)can_pair; pairs++) {
             int blocks = std::min(cap, (rows_total + (per_block << pairs) - 1) / (per_block << pairs));
             dim3 grid(blocks, slices);
+            // Split-K partial sums and arrival counters, as cuda_decode.rs plans them.
+            float* partial = nullptr;
+            unsigned* arrivals = nullptr;
+            if (slices > 1) {
+                CK(cudaMalloc(&partial, (size_t)slices * rows_total * 4));
+                CK(cudaMalloc(&arrivals, (size_t)blocks * 4));
+                CK(cudaMemset(arrivals, 0, (size_t)blocks * 4));
+            }
             auto launch = [&](int k) {
                 MvArgs a;
                 memset(&a, 0, sizeof a);
                 for (int s = 0; s < c.nseg; s++) { a.seg[s].w = ws[k * c.nseg + s]; a.seg[s].fmt = fmt; a.seg[s].rows = c.rows; }
                 a.nseg = c.nseg; a.cols = c.cols; a.slice = slice; a.q4k = fmt == FMT_Q4_K; a.pairs = pairs;
                 a.x = x; a.norm_w = c.mode == MODE_ADD ? nullptr : nw; a.eps = 1e-6f; a.mode = c.mode; a.out = out;
+                a.partial = partial; a.arrivals = arrivals;
                 auto kernel = gated ? kernels[fi][1] : kernels[fi][0];
                 if (!pdl) {
                     kernel<<<grid, 256, smem>>>(a);
@@ -139,6 +148,7 @@ int main(int argc, char** argv) {
             double check = 0;
             for (int i = 0; i < rows_total; i++) check += ho[i] * (double)(i % 7 + 1);
             printf("%-5s %-13s %7.1f us  %7.0f GB/s  (%.1f MB, grid %dx%d%s)  check %.6e\n", fmt_names[fi], c.name, us, per / us / 1e3, per / 1e6, grid.x, grid.y, pairs ? ", pairs" : "", check);
+            cudaFree(partial); cudaFree(arrivals);
             }
             for (void* p : ws) cudaFree(p);
             cudaFree(x); cudaFree(nw); cudaFree(out);

@@ -68,6 +68,8 @@ struct MvArgs {
     eps: f32,
     mode: i32,
     out: u64,
+    partial: u64,
+    arrivals: u64,
 }
 
 /// `AttnArgs` in decode.cu.
@@ -398,6 +400,29 @@ impl FusedDecode {
             let t = Tensor::zeros((1, shape(lm_head)?.0), DType::F32, device)?;
             launches.push(p.mv(&[lm_head], x, Some(norm), MODE_STORE, tensor_ptr(&t)?)?);
             logits = Some(t);
+        }
+        // Split-K launches store their partial sums (slices x rows) and the last block of each
+        // column adds them up in slice order, so that a seeded run repeats exactly; the arrival
+        // counters reset themselves.
+        let split = launches.iter().filter_map(|l| match l {
+            Launch::Mv { args, rows, .. } if args.slice < args.cols => Some(((args.cols as u32).div_ceil(args.slice as u32) as usize * *rows as usize, *rows as usize)),
+            _ => None,
+        });
+        let (partial_len, most_rows) = split.fold((0, 0), |(p_len, r), (n, rows)| (p_len.max(n), r.max(rows)));
+        // `SHOAL_FUSED_ATOMIC_SPLIT=1`: add split-K partial sums atomically instead (about 5%
+        // faster decode on an H100, but sums, and so seeded sampling, then vary between runs).
+        let atomic_split = std::env::var("SHOAL_FUSED_ATOMIC_SPLIT").is_ok_and(|v| v == "1");
+        if partial_len > 0 && !atomic_split {
+            let partial = p.scratch(partial_len)?;
+            // Zeroed f32 are zeroed u32: one counter per block column (at most one per 8 rows).
+            let arrivals = p.scratch(most_rows.div_ceil(8))?;
+            for l in &mut launches {
+                if let Launch::Mv { args, .. } = l {
+                    if args.slice < args.cols {
+                        (args.partial, args.arrivals) = (partial, arrivals);
+                    }
+                }
+            }
         }
         // Every block of `mv` stages its (normed) input, or its slice of it, in shared memory.
         let smem = p.max_smem;
