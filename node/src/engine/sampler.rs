@@ -45,6 +45,11 @@ impl SamplingParams {
         SamplingParams { temperature: 0.0, ..Default::default() }
     }
 
+    /// Whether any repetition, presence or frequency penalty changes the logits.
+    fn has_penalties(&self) -> bool {
+        self.repetition_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(EngineError::InvalidRequest(m));
         if !self.temperature.is_finite() || self.temperature < 0.0 {
@@ -96,8 +101,7 @@ impl Sampler {
     /// needs the whole row on the host (a 600 KB copy for a 150k vocabulary).
     pub fn sample_logits(&mut self, logits: &candle_core::Tensor, history: &[u32]) -> Result<u32> {
         let p = &self.params;
-        let plain_greedy = p.temperature == 0.0 && p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0;
-        if plain_greedy && !logits.device().is_cpu() {
+        if p.temperature == 0.0 && !p.has_penalties() && !logits.device().is_cpu() {
             return Ok(logits.argmax(0)?.to_scalar::<u32>()?);
         }
         Ok(self.sample(&mut logits.to_vec1::<f32>()?, history))
@@ -179,7 +183,7 @@ impl Sampler {
 
     fn apply_penalties(&mut self, logits: &mut [f32], history: &[u32]) {
         let p = &self.params;
-        if p.repetition_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 {
+        if !p.has_penalties() {
             return;
         }
         let window = &history[history.len().saturating_sub(p.penalty_window)..];
