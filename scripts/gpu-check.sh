@@ -6,7 +6,8 @@
 #   scripts/gpu-check.sh fidelity [fixtures]   fixtures vs transformers on the GPU; Qwen2.5-1.5B-shaped
 #                                   f16 and Q4_K_M: 16 greedy tokens on the GPU equal the CPU's,
 #                                   and the fused decode step agrees with candle's ops; two
-#                                   sequences decoded turn about equal each decoded alone
+#                                   sequences decoded turn about equal each decoded alone; the
+#                                   GPU's temperature draw agrees with the CPU sampler
 #   scripts/gpu-check.sh bench [q15] [q7]   shoal bench (f16, Q4_K_M) for 1.5B and 7B shapes vs
 #                                   transformers f16 on the same GPU, one run, printed as a table
 #   scripts/gpu-check.sh swarm      a CUDA node and two CPU-only nodes (network namespaces when
@@ -47,6 +48,7 @@ model() { # model NAME SHAPE [--peaky]: a generated f16 HF dir and its Q4_K_M GG
 fidelity() {
   "$CHECK" fixtures "$here/tests/fixtures" --device cuda || fail=1
   [[ ${1:-} == fixtures ]] && return
+  "$CHECK" sample --device cuda || fail=1
   model q15 qwen2.5-1.5b --peaky || { echo "FAIL making the 1.5B model"; fail=1; return; }
   "$CHECK" same "$WORK/q15-f16" --device cuda --tokens 16 || fail=1
   "$CHECK" same "$WORK/q15-q4km/model.gguf" --device cuda --tokens 16 || fail=1

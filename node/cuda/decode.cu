@@ -10,7 +10,9 @@
 // replayed for every sequence. On sm_90 and later
 // each kernel may start while the previous one finishes (programmatic dependent launch): it
 // prefetches what depends on no earlier kernel, then waits before reading earlier results.
-// What this file does not do: prompts (t > 1 run through candle and cuBLAS), batches, sampling.
+// Also here: `sample_temperature`, which draws the next token from the logits where they are.
+// What this file does not do: prompts (t > 1 run through candle and cuBLAS), batches, top-k,
+// top-p, min-p or penalties (the CPU sampler applies those).
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -832,5 +834,73 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
             den += wsum[w] * c;
         }
         a.out[h * d + i] = num / den;
+    }
+}
+
+// Draws a token from softmax(logits / temperature) with `r`, a uniform draw in [0, 1) made by the
+// host's seeded generator, as the CPU sampler does without top-k, top-p, min-p or penalties:
+// weights exp((l - max) / T), 0 below max - 40T, and the first token whose running sum of weights
+// passes r times their total. One block of 1024 threads, each summing a contiguous chunk in f64;
+// the chunk sums are added in order, so a seeded run repeats. Only the token id leaves the GPU.
+extern "C" __global__ void __launch_bounds__(1024) sample_temperature(const float* logits, int n, float temperature, double r, unsigned* out) {
+    __shared__ float maxes[32];
+    __shared__ double sums[1024];
+    __shared__ int chunk;
+    __shared__ double before, target;
+    int t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = (blockDim.x + 31) >> 5;
+    float m = -INFINITY;
+    for (int i = t; i < n; i += blockDim.x) m = fmaxf(m, logits[i]);  // fmaxf skips NaN, as f32::max
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) maxes[warp] = m;
+    __syncthreads();
+    m = -INFINITY;
+    for (int w = 0; w < nw; w++) m = fmaxf(m, maxes[w]);
+    float floor = m - 40.f * temperature, scale = 1.f / temperature;
+    int per = (n + blockDim.x - 1) / blockDim.x, lo = min(n, t * per), hi = min(n, lo + per);
+    double s = 0.0;
+    for (int i = lo; i < hi; i++) {
+        float l = logits[i];
+        if (l >= floor) s += (double)expf((l - m) * scale);
+    }
+    sums[t] = s;
+    __syncthreads();
+    if (t == 0) {
+        double total = 0.0;
+        for (int k = 0; k < (int)blockDim.x; k++) total += sums[k];
+        target = r * total;
+        double acc = 0.0;
+        int c = -1, last = 0;
+        for (int k = 0; k < (int)blockDim.x; k++) {
+            if (sums[k] > 0.0) {
+                if (target < acc + sums[k]) {
+                    c = k;
+                    break;
+                }
+                last = k;
+                acc += sums[k];
+            }
+        }
+        // Rounding left the target beyond the total: the last chunk with weight, walked whole.
+        if (c < 0) {
+            c = last;
+            acc -= sums[last];
+            target = INFINITY;
+        }
+        chunk = c;
+        before = acc;
+    }
+    __syncthreads();
+    if (t == chunk) {
+        double acc = before;
+        unsigned pick = (unsigned)lo;
+        for (int i = lo; i < hi; i++) {
+            float l = logits[i];
+            if (!(l >= floor)) continue;  // as the sums: NaN counts for nothing
+            acc += (double)expf((l - m) * scale);
+            pick = (unsigned)i;
+            if (target < acc) break;
+        }
+        *out = pick;
     }
 }

@@ -60,9 +60,16 @@ int main(int argc, char** argv) {
     void (*kernels[4][2])(MvArgs) = {{mv_f16, mv_gated_f16}, {mv_q4_k, mv_gated_q4_k}, {mv_q6_k, mv_gated_q6_k}, {mv_q8_0, mv_gated_q8_0}};
     for (auto& k : kernels)
         for (auto f : k) cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024);
+
+    // MV_FMT / MV_CASE: only the formats / cases whose names contain them (e.g. MV_FMT=q4_k
+    // MV_CASE="7B gate").
+    const char* only_fmt = getenv("MV_FMT");
+    const char* only_case = getenv("MV_CASE");
     for (int fi = 0; fi < 4; fi++) {
         int fmt = fmts[fi];
+        if (only_fmt && !strstr(only_fmt, fmt_names[fi])) continue;
         for (const Case& c0 : cases) {
+            if (only_case && !strstr(c0.name, only_case)) continue;
             Case c = c0;
             c.fmt = fmt;
             size_t per = fmt_bytes(fmt, (size_t)c.rows * c.cols) * c.nseg;
@@ -112,7 +119,7 @@ int main(int argc, char** argv) {
                 a.nseg = c.nseg; a.cols = c.cols; a.slice = slice; a.q4k = fmt == FMT_Q4_K; a.pairs = pairs;
                 a.x = x; a.norm_w = c.mode == MODE_ADD ? nullptr : nw; a.eps = 1e-6f; a.mode = c.mode; a.out = out;
                 a.partial = partial; a.arrivals = arrivals;
-                auto kernel = gated ? kernels[fi][1] : kernels[fi][0];
+                auto kernel = kernels[fi][gated];
                 if (!pdl) {
                     kernel<<<grid, 256, smem>>>(a);
                     return;

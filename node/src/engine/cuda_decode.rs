@@ -12,7 +12,7 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig};
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use candle_core::quantized::{GgmlDType, QMatMul};
 use candle_core::{DType, Device, Storage, Tensor};
 
@@ -174,6 +174,27 @@ fn tensor_ptr(t: &Tensor) -> Result<u64> {
         other => return Err(unsupported(format!("no kernels for {other:?} tensors"))),
     };
     Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
+}
+
+/// Draws a token from a row of logits on a GPU (`sample_temperature` in decode.cu): the CPU
+/// sampler's plain temperature draw (no top-k, top-p, min-p or penalties) with its uniform draw
+/// `r` in [0, 1), where the logits are; only the token id is copied to the host.
+pub fn sample_temperature(logits: &Tensor, temperature: f32, r: f64) -> Result<u32> {
+    let cuda = logits.device().as_cuda_device()?;
+    let f = cuda.get_or_load_custom_func("sample_temperature", MODULE, PTX)?.into_cuda_function();
+    let stream = cuda.cuda_stream();
+    let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+    let (ptr, n) = (tensor_ptr(&logits)?, logits.elem_count() as i32);
+    let mut out = stream.alloc_zeros::<u32>(1).map_err(driver)?;
+    let mut launch = stream.launch_builder(&f);
+    launch.arg(&ptr).arg(&n).arg(&temperature).arg(&r).arg(&mut out);
+    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's (a pointer to `n` f32 values kept alive by
+    // `logits`, n, temperature, r, one u32 out).
+    unsafe { launch.launch(cfg) }.map_err(driver)?;
+    // A copy into pageable memory returns once it is done, after the kernel (stream order).
+    let id = stream.clone_dtoh(&out).map_err(driver)?;
+    id.first().copied().ok_or_else(|| unsupported("no token came back"))
 }
 
 /// (rows, cols) of a linear layer's matrix as candle holds it on the GPU.
