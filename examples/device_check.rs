@@ -17,10 +17,11 @@
 //!     milliseconds per decode token, waiting for each token's id (as generation does) and
 //!     queueing them all with one wait at the end, fused and with candle's ops (a diagnostic).
 //!   device_check sample [--device cuda] [--draws 3000]
-//!     the GPU's plain temperature draw (`sample_temperature`) against the CPU sampler, fed the
-//!     same logits and the same seeded uniform draws: at least 99.9% of the tokens equal (a draw
-//!     may land within rounding of the boundary between two tokens: exp and the order of the sums
-//!     differ), and a second run of the GPU draws repeats the first exactly.
+//!     sampling from logits on the GPU (a plain temperature draw there, or candidates gathered
+//!     there for top-k / top-p / min-p) against the CPU sampler, fed the same logits and the same
+//!     seeded uniform draws: at least 99.9% of the tokens equal (a draw or a cut may land within
+//!     rounding of a boundary: exp and the order of the sums differ), and a second run of the
+//!     GPU draws repeats the first exactly.
 //! Prints one line per check and exits non-zero on any failure. Not a timing tool.
 
 use std::path::{Path, PathBuf};
@@ -132,29 +133,36 @@ fn main() -> anyhow::Result<()> {
         (Some("sample"), _) => {
             let n: usize = flag(&args, "--draws").map(|t| t.parse()).transpose()?.unwrap_or(3000);
             let vocab = 151_936;
-            let params = SamplingParams { temperature: 0.8, seed: Some(7), ..SamplingParams::default() };
-            // Logits spread as a model's are, from nearly flat (the draw walks far into the
-            // vocabulary) to peaked (a few tokens share nearly all the weight).
-            let draws = |gpu: bool| -> anyhow::Result<Vec<u32>> {
-                let mut sampler = Sampler::new(params.clone())?;
-                let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-                let mut ids = Vec::with_capacity(n);
-                for i in 0..n {
-                    let spread = [1.0f32, 4.0, 12.0, 30.0][i % 4];
-                    let mut l: Vec<f32> = (0..vocab).map(|_| (rng.random::<f32>() - 0.5) * spread).collect();
-                    ids.push(if gpu { sampler.sample_logits(&candle_core::Tensor::from_slice(&l, vocab, device.candle())?, &[])? } else { sampler.sample(&mut l, &[]) });
-                }
-                Ok(ids)
-            };
-            let (cpu, gpu, again) = (draws(false)?, draws(true)?, draws(true)?);
-            let equal = cpu.iter().zip(&gpu).filter(|(a, b)| a == b).count();
-            let ok = equal * 1000 >= n * 999 && gpu == again;
-            println!(
-                "{} temperature draws on the device: {equal}/{n} equal to the CPU sampler's, a second run {}",
-                if ok { "PASS" } else { "FAIL" },
-                if gpu == again { "identical" } else { "DIFFERENT" }
-            );
-            failures += usize::from(!ok);
+            let plain = SamplingParams { temperature: 0.8, seed: Some(7), ..SamplingParams::default() };
+            let settings = [
+                ("temperature 0.8", plain.clone()),
+                ("top-k 40, top-p 0.9", SamplingParams { top_k: Some(40), top_p: 0.9, ..plain.clone() }),
+                ("top-p 0.95, min-p 0.05", SamplingParams { top_p: 0.95, min_p: 0.05, ..plain.clone() }),
+            ];
+            for (name, params) in settings {
+                // Logits spread as a model's are, from nearly flat (the draw walks far into the
+                // vocabulary) to peaked (a few tokens share nearly all the weight).
+                let draws = |gpu: bool| -> anyhow::Result<Vec<u32>> {
+                    let mut sampler = Sampler::new(params.clone())?;
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+                    let mut ids = Vec::with_capacity(n);
+                    for i in 0..n {
+                        let spread = [1.0f32, 4.0, 12.0, 30.0][i % 4];
+                        let mut l: Vec<f32> = (0..vocab).map(|_| (rng.random::<f32>() - 0.5) * spread).collect();
+                        ids.push(if gpu { sampler.sample_logits(&candle_core::Tensor::from_slice(&l, vocab, device.candle())?, &[])? } else { sampler.sample(&mut l, &[]) });
+                    }
+                    Ok(ids)
+                };
+                let (cpu, gpu, again) = (draws(false)?, draws(true)?, draws(true)?);
+                let equal = cpu.iter().zip(&gpu).filter(|(a, b)| a == b).count();
+                let ok = equal * 1000 >= n * 999 && gpu == again;
+                println!(
+                    "{} {name}: {equal}/{n} draws on the device equal to the CPU sampler's, a second run {}",
+                    if ok { "PASS" } else { "FAIL" },
+                    if gpu == again { "identical" } else { "DIFFERENT" }
+                );
+                failures += usize::from(!ok);
+            }
         }
         (Some("same"), Some(model)) => {
             let n: usize = flag(&args, "--tokens").map(|t| t.parse()).transpose()?.unwrap_or(16);

@@ -10,9 +10,10 @@
 // replayed for every sequence. On sm_90 and later
 // each kernel may start while the previous one finishes (programmatic dependent launch): it
 // prefetches what depends on no earlier kernel, then waits before reading earlier results.
-// Also here: `sample_temperature`, which draws the next token from the logits where they are.
-// What this file does not do: prompts (t > 1 run through candle and cuBLAS), batches, top-k,
-// top-p, min-p or penalties (the CPU sampler applies those).
+// Also here, at the end: sampling where the logits are (`sample_temperature` draws a token,
+// `sample_candidates` gathers top-k / top-p / min-p candidates for the host's cuts).
+// What this file does not do: prompts (t > 1 run through candle and cuBLAS), batches, the
+// sampler's cuts or penalties (the host applies those).
 
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -902,5 +903,92 @@ extern "C" __global__ void __launch_bounds__(1024) sample_temperature(const floa
             if (target < acc) break;
         }
         *out = pick;
+    }
+}
+
+// The candidates of a sampled step with top-k, top-p or min-p, as the CPU sampler's
+// `distribution` gathers them before its cuts: weights exp((l - max) / T) (0 below max - 40T),
+// their total (f64, chunk sums added in order), and in token order every token whose weight is
+// > 0 and at least the lightest a candidate can weigh: with top_k > 0 the first of e^-1, e^-4,
+// e^-16 that top_k tokens reach (else 0), otherwise max(min_p, (1 - top_p) · total / n). Writes
+// out[0] = the number of candidates, out[2..4] = the total (a double), then the first `cap`
+// candidates as (id, weight bits) pairs. One block of 1024 threads, each taking a contiguous chunk.
+extern "C" __global__ void __launch_bounds__(1024) sample_candidates(const float* logits, int n, float temperature, int top_k, float top_p, float min_p, int cap, unsigned* out) {
+    __shared__ float maxes[32];
+    __shared__ double sums[1024];
+    __shared__ unsigned offsets[1024];
+    __shared__ unsigned reach[3];
+    __shared__ float lightest;
+    const float cuts[3] = {0.36787944117f, 0.018315638889f, 1.1253517472e-07f};  // e^-1, e^-4, e^-16
+    int t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = (blockDim.x + 31) >> 5;
+    if (t < 3) reach[t] = 0;
+    float m = -INFINITY;
+    for (int i = t; i < n; i += blockDim.x) m = fmaxf(m, logits[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) maxes[warp] = m;
+    __syncthreads();
+    m = -INFINITY;
+    for (int w = 0; w < nw; w++) m = fmaxf(m, maxes[w]);
+    float floor = m - 40.f * temperature, scale = 1.f / temperature;
+    auto weight = [&](int i) {
+        float l = logits[i];
+        return l >= floor ? expf((l - m) * scale) : 0.f;
+    };
+    int per = (n + blockDim.x - 1) / blockDim.x, lo = min(n, t * per), hi = min(n, lo + per);
+    double s = 0.0;
+    unsigned k[3] = {0, 0, 0};
+    for (int i = lo; i < hi; i++) {
+        float w = weight(i);
+        s += (double)w;
+#pragma unroll
+        for (int c = 0; c < 3; c++) k[c] += w >= cuts[c];
+    }
+    sums[t] = s;
+#pragma unroll
+    for (int c = 0; c < 3; c++) atomicAdd(&reach[c], k[c]);
+    __syncthreads();
+    if (t == 0) {
+        double all = 0.0;
+        for (int j = 0; j < (int)blockDim.x; j++) all += sums[j];
+        float light = 0.f;
+        if (top_k > 0) {
+            for (int c = 0; c < 3; c++)
+                if (reach[c] >= (unsigned)top_k) {
+                    light = cuts[c];
+                    break;
+                }
+        } else {
+            light = fmaxf(min_p, (float)((1.0 - (double)top_p) * all / (double)n));
+        }
+        lightest = light;
+        *reinterpret_cast<double*>(out + 2) = all;
+    }
+    __syncthreads();
+    unsigned count = 0;
+    for (int i = lo; i < hi; i++) {
+        float w = weight(i);
+        count += w > 0.f && w >= lightest;
+    }
+    offsets[t] = count;
+    __syncthreads();
+    if (t == 0) {
+        unsigned acc = 0;
+        for (int j = 0; j < (int)blockDim.x; j++) {
+            unsigned c = offsets[j];
+            offsets[j] = acc;
+            acc += c;
+        }
+        out[0] = acc;
+    }
+    __syncthreads();
+    unsigned at = offsets[t];
+    for (int i = lo; i < hi && at < (unsigned)cap; i++) {
+        float w = weight(i);
+        if (w > 0.f && w >= lightest) {
+            out[4 + 2 * at] = (unsigned)i;
+            out[5 + 2 * at] = __float_as_uint(w);
+            at++;
+        }
     }
 }

@@ -197,6 +197,35 @@ pub fn sample_temperature(logits: &Tensor, temperature: f32, r: f64) -> Result<u
     id.first().copied().ok_or_else(|| unsupported("no token came back"))
 }
 
+/// The candidates of a sampled step with top-k, top-p or min-p, gathered on the GPU
+/// (`sample_candidates` in decode.cu) as `Sampler::distribution` gathers them before its cuts:
+/// the total weight of every token and the candidates in token order, or `None` when more than
+/// `cap` tokens pass (the caller then takes the whole row).
+pub fn sample_candidates(logits: &Tensor, temperature: f32, top_k: Option<usize>, top_p: f32, min_p: f32, cap: usize) -> Result<Option<(f64, Vec<(u32, f32)>)>> {
+    let cuda = logits.device().as_cuda_device()?;
+    let f = cuda.get_or_load_custom_func("sample_candidates", MODULE, PTX)?.into_cuda_function();
+    let stream = cuda.cuda_stream();
+    let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+    let (ptr, n) = (tensor_ptr(&logits)?, logits.elem_count() as i32);
+    let (top_k, cap_i32) = (top_k.map_or(0, |k| k.min(i32::MAX as usize) as i32), cap.min(i32::MAX as usize / 2) as i32);
+    let mut out = stream.alloc_zeros::<u32>(4 + 2 * cap_i32 as usize).map_err(driver)?;
+    let mut launch = stream.launch_builder(&f);
+    launch.arg(&ptr).arg(&n).arg(&temperature).arg(&top_k).arg(&top_p).arg(&min_p).arg(&cap_i32).arg(&mut out);
+    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's; `out` holds 4 + 2·cap words.
+    unsafe { launch.launch(cfg) }.map_err(driver)?;
+    let head = stream.clone_dtoh(&out.slice(0..4)).map_err(driver)?;
+    let (count, total) = (head[0] as usize, f64::from_bits(u64::from(head[2]) | (u64::from(head[3]) << 32)));
+    if count > cap_i32 as usize {
+        return Ok(None);
+    }
+    if count == 0 {
+        return Ok(Some((total, Vec::new())));
+    }
+    let body = stream.clone_dtoh(&out.slice(4..4 + 2 * count)).map_err(driver)?;
+    Ok(Some((total, body.chunks_exact(2).map(|c| (c[0], f32::from_bits(c[1]))).collect())))
+}
+
 /// (rows, cols) of a linear layer's matrix as candle holds it on the GPU.
 fn shape(l: &Linear) -> Result<(usize, usize)> {
     match &l.weight {

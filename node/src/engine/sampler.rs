@@ -7,6 +7,11 @@ use rand::{Rng, SeedableRng};
 
 use super::{EngineError, Result};
 
+/// Most candidates a GPU hands back for the host's cuts (64 KB); a flatter distribution copies
+/// the whole row instead.
+#[cfg(feature = "cuda")]
+const GPU_CANDIDATES: usize = 8192;
+
 /// How many recent tokens the penalties look at (llama.cpp's default).
 pub const DEFAULT_PENALTY_WINDOW: usize = 64;
 
@@ -151,6 +156,16 @@ impl Sampler {
                 let r = self.rng.random::<f64>();
                 return super::cuda_decode::sample_temperature(logits, p.temperature, r);
             }
+            if p.temperature > 0.0 && !p.has_penalties() {
+                // Top-k, top-p or min-p: the candidates are gathered on the GPU (a few KB cross
+                // the bus), then cut here as `distribution` cuts them.
+                if let Some((all, cands)) = super::cuda_decode::sample_candidates(logits, p.temperature, p.top_k, p.top_p, p.min_p, GPU_CANDIDATES)? {
+                    self.cands = cands;
+                    self.cut(all);
+                    let r = self.rng.random::<f64>() * weight_sum(self.cands.iter().map(|c| c.1));
+                    return Ok(draw(self.cands.iter().copied(), r));
+                }
+            }
             let mut pinned = self.pinned.take();
             let id = copy_to_pinned(logits, &mut pinned).map(|row| self.sample(row, history));
             self.pinned = pinned;
@@ -200,6 +215,14 @@ impl Sampler {
             None => p.min_p.max(((1.0 - p.top_p as f64) * all / logits.len() as f64) as f32),
         };
         cands.extend(logits.iter().enumerate().filter(|(_, w)| **w > 0.0 && **w >= lightest).map(|(i, w)| (i as u32, *w)));
+        self.cut(all)
+    }
+
+    /// Top-k, min-p and top-p over the gathered candidates (in token order); `all` is the total
+    /// weight of every token.
+    fn cut(&mut self, all: f64) -> &[(u32, f32)] {
+        let p = &self.params;
+        let cands = &mut self.cands;
         if cands.is_empty() {
             // Only NaN logits: the first token, as argmax would say.
             cands.push((0, 1.0));
