@@ -838,25 +838,32 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
     }
 }
 
+// The largest of `n` logits (NaN skipped, as f32::max does), for every thread of the block.
+__device__ float row_max(const float* logits, int n) {
+    __shared__ float maxes[32];
+    int lane = threadIdx.x & 31, nw = (blockDim.x + 31) >> 5;
+    float m = -INFINITY;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, logits[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) maxes[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = -INFINITY;
+    for (int w = 0; w < nw; w++) m = fmaxf(m, maxes[w]);
+    return m;
+}
+
 // Draws a token from softmax(logits / temperature) with `r`, a uniform draw in [0, 1) made by the
 // host's seeded generator, as the CPU sampler does without top-k, top-p, min-p or penalties:
 // weights exp((l - max) / T), 0 below max - 40T, and the first token whose running sum of weights
 // passes r times their total. One block of 1024 threads, each summing a contiguous chunk in f64;
 // the chunk sums are added in order, so a seeded run repeats. Only the token id leaves the GPU.
 extern "C" __global__ void __launch_bounds__(1024) sample_temperature(const float* logits, int n, float temperature, double r, unsigned* out) {
-    __shared__ float maxes[32];
     __shared__ double sums[1024];
     __shared__ int chunk;
     __shared__ double before, target;
-    int t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = (blockDim.x + 31) >> 5;
-    float m = -INFINITY;
-    for (int i = t; i < n; i += blockDim.x) m = fmaxf(m, logits[i]);  // fmaxf skips NaN, as f32::max
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) maxes[warp] = m;
-    __syncthreads();
-    m = -INFINITY;
-    for (int w = 0; w < nw; w++) m = fmaxf(m, maxes[w]);
+    int t = threadIdx.x;
+    float m = row_max(logits, n);
     float floor = m - 40.f * temperature, scale = 1.f / temperature;
     int per = (n + blockDim.x - 1) / blockDim.x, lo = min(n, t * per), hi = min(n, lo + per);
     double s = 0.0;
@@ -914,22 +921,14 @@ extern "C" __global__ void __launch_bounds__(1024) sample_temperature(const floa
 // out[0] = the number of candidates, out[2..4] = the total (a double), then the first `cap`
 // candidates as (id, weight bits) pairs. One block of 1024 threads, each taking a contiguous chunk.
 extern "C" __global__ void __launch_bounds__(1024) sample_candidates(const float* logits, int n, float temperature, int top_k, float top_p, float min_p, int cap, unsigned* out) {
-    __shared__ float maxes[32];
     __shared__ double sums[1024];
     __shared__ unsigned offsets[1024];
     __shared__ unsigned reach[3];
     __shared__ float lightest;
     const float cuts[3] = {0.36787944117f, 0.018315638889f, 1.1253517472e-07f};  // e^-1, e^-4, e^-16
-    int t = threadIdx.x, lane = t & 31, warp = t >> 5, nw = (blockDim.x + 31) >> 5;
+    int t = threadIdx.x;
     if (t < 3) reach[t] = 0;
-    float m = -INFINITY;
-    for (int i = t; i < n; i += blockDim.x) m = fmaxf(m, logits[i]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) maxes[warp] = m;
-    __syncthreads();
-    m = -INFINITY;
-    for (int w = 0; w < nw; w++) m = fmaxf(m, maxes[w]);
+    float m = row_max(logits, n);  // its barrier also publishes `reach`
     float floor = m - 40.f * temperature, scale = 1.f / temperature;
     auto weight = [&](int i) {
         float l = logits[i];

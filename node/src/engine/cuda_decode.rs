@@ -176,14 +176,18 @@ fn tensor_ptr(t: &Tensor) -> Result<u64> {
     Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
 }
 
+/// A kernel of decode.cu that reads a row of logits, its stream, and the row as contiguous f32.
+fn row_kernel(logits: &Tensor, name: &str) -> Result<(CudaFunction, Arc<CudaStream>, Tensor)> {
+    let cuda = logits.device().as_cuda_device()?;
+    let f = cuda.get_or_load_custom_func(name, MODULE, PTX)?.into_cuda_function();
+    Ok((f, cuda.cuda_stream(), logits.to_dtype(DType::F32)?.contiguous()?))
+}
+
 /// Draws a token from a row of logits on a GPU (`sample_temperature` in decode.cu): the CPU
 /// sampler's plain temperature draw (no top-k, top-p, min-p or penalties) with its uniform draw
 /// `r` in [0, 1), where the logits are; only the token id is copied to the host.
 pub fn sample_temperature(logits: &Tensor, temperature: f32, r: f64) -> Result<u32> {
-    let cuda = logits.device().as_cuda_device()?;
-    let f = cuda.get_or_load_custom_func("sample_temperature", MODULE, PTX)?.into_cuda_function();
-    let stream = cuda.cuda_stream();
-    let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+    let (f, stream, logits) = row_kernel(logits, "sample_temperature")?;
     let (ptr, n) = (tensor_ptr(&logits)?, logits.elem_count() as i32);
     let mut out = stream.alloc_zeros::<u32>(1).map_err(driver)?;
     let mut launch = stream.launch_builder(&f);
@@ -202,10 +206,7 @@ pub fn sample_temperature(logits: &Tensor, temperature: f32, r: f64) -> Result<u
 /// the total weight of every token and the candidates in token order, or `None` when more than
 /// `cap` tokens pass (the caller then takes the whole row).
 pub fn sample_candidates(logits: &Tensor, temperature: f32, top_k: Option<usize>, top_p: f32, min_p: f32, cap: usize) -> Result<Option<(f64, Vec<(u32, f32)>)>> {
-    let cuda = logits.device().as_cuda_device()?;
-    let f = cuda.get_or_load_custom_func("sample_candidates", MODULE, PTX)?.into_cuda_function();
-    let stream = cuda.cuda_stream();
-    let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+    let (f, stream, logits) = row_kernel(logits, "sample_candidates")?;
     let (ptr, n) = (tensor_ptr(&logits)?, logits.elem_count() as i32);
     let (top_k, cap_i32) = (top_k.map_or(0, |k| k.min(i32::MAX as usize) as i32), cap.min(i32::MAX as usize / 2) as i32);
     let mut out = stream.alloc_zeros::<u32>(4 + 2 * cap_i32 as usize).map_err(driver)?;
