@@ -3,6 +3,8 @@
 //! blocks, never copied) and the KV cache in place, with f32 activations throughout. The launch
 //! sequence is captured once as a CUDA graph and replayed each token, for every sequence: the
 //! position and the KV buffers' addresses are read from device memory, written before each step.
+//! Also the sampler's CUDA side: a temperature draw or top-k / top-p / min-p candidates computed
+//! where the logits are, and page-locked copies of whole rows.
 //! What it does not do: prompts (t > 1 stay on candle and cuBLAS), tensor-parallel slices, or
 //! anything on the CPU. A shard whose weights or shapes these kernels do not cover says why at
 //! load and keeps candle's path.
@@ -12,7 +14,7 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice, PushKernelArg};
 use candle_core::quantized::{GgmlDType, QMatMul};
 use candle_core::{DType, Device, Storage, Tensor};
 
@@ -174,6 +176,32 @@ fn tensor_ptr(t: &Tensor) -> Result<u64> {
         other => return Err(unsupported(format!("no kernels for {other:?} tensors"))),
     };
     Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
+}
+
+/// Page-locked host memory for a row of logits (`copy_to_pinned`).
+pub type PinnedRow = PinnedHostSlice<f32>;
+
+/// Copies a row of logits on a GPU into `buf` (page-locked, allocated or grown when too small,
+/// then reused: a copy into pageable memory goes through the driver's staging buffers) and
+/// returns the row.
+pub fn copy_to_pinned<'a>(logits: &Tensor, buf: &'a mut Option<PinnedRow>) -> Result<&'a mut [f32]> {
+    let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+    let n = logits.elem_count();
+    let (storage, layout) = logits.storage_and_layout();
+    let Storage::Cuda(cs) = &*storage else { return Err(unsupported("logits are not on a CUDA device")) };
+    let stream = cs.device.cuda_stream();
+    let row = cs.as_cuda_slice::<f32>()?.slice(layout.start_offset()..layout.start_offset() + n);
+    if buf.as_ref().is_none_or(|b| b.len() < n) {
+        // Flags 0: cached memory (cudarc's default, write-combined, is slow for the CPU to read).
+        // SAFETY: the buffer is written by the copy below before anything reads it.
+        *buf = Some(unsafe { stream.context().alloc_pinned_with_flags::<f32>(n, 0) }.map_err(driver)?);
+    }
+    let Some(host) = buf.as_mut() else { return Err(unsupported("no page-locked buffer")) };
+    stream.memcpy_dtoh(&row, host).map_err(driver)?;
+    // candle leaves stream synchronisation to its users, so the buffer's own event is never
+    // recorded: wait for the stream.
+    stream.synchronize().map_err(driver)?;
+    Ok(&mut host.as_mut_slice().map_err(driver)?[..n])
 }
 
 /// A kernel of decode.cu that reads a row of logits, its stream, and the row as contiguous f32.

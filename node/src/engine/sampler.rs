@@ -91,33 +91,7 @@ pub struct Sampler {
     /// sampled step, then reused): a copy into pageable memory goes through the driver's
     /// staging buffers at a fraction of the bus's speed.
     #[cfg(feature = "cuda")]
-    pinned: Option<candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<f32>>,
-}
-
-/// Copies a row of logits on a GPU into `buf` (page-locked; grown when too small) and returns it.
-#[cfg(feature = "cuda")]
-fn copy_to_pinned<'a>(
-    logits: &candle_core::Tensor,
-    buf: &'a mut Option<candle_core::cuda_backend::cudarc::driver::PinnedHostSlice<f32>>,
-) -> Result<&'a mut [f32]> {
-    let driver = |e: candle_core::cuda_backend::cudarc::driver::DriverError| candle_core::Error::Msg(format!("copying logits from the GPU: {e}"));
-    let logits = logits.to_dtype(candle_core::DType::F32)?.contiguous()?;
-    let n = logits.elem_count();
-    let (storage, layout) = logits.storage_and_layout();
-    let candle_core::Storage::Cuda(cs) = &*storage else { return Err(candle_core::Error::Msg("logits are not on a GPU".into()).into()) };
-    let stream = cs.device.cuda_stream();
-    let row = cs.as_cuda_slice::<f32>()?.slice(layout.start_offset()..layout.start_offset() + n);
-    if buf.as_ref().is_none_or(|b| b.len() < n) {
-        // Flags 0: cached memory (the default write-combined kind is slow for the CPU to read).
-        // SAFETY: the buffer is written by the copy below before anything reads it.
-        *buf = Some(unsafe { stream.context().alloc_pinned_with_flags::<f32>(n, 0) }.map_err(driver)?);
-    }
-    let Some(host) = buf.as_mut() else { return Err(candle_core::Error::Msg("no pinned buffer".into()).into()) };
-    stream.memcpy_dtoh(&row, host).map_err(driver)?;
-    // candle leaves stream synchronisation to its users, so the slice's own event is not
-    // recorded: wait for the stream.
-    stream.synchronize().map_err(driver)?;
-    Ok(&mut host.as_mut_slice().map_err(driver)?[..n])
+    pinned: Option<super::cuda_decode::PinnedRow>,
 }
 
 /// Best first: the higher weight, then the lower token id.
@@ -140,9 +114,10 @@ impl Sampler {
     }
 
     /// Picks the next token from a row of logits (rank 1) where the model left them (a GPU's memory, or
-    /// the host's). On a GPU, plain greedy decoding reads only the argmax and a plain temperature
-    /// draw runs there (CUDA); every other setting needs the whole row on the host (a 600 KB copy
-    /// for a 150k vocabulary, into page-locked memory on CUDA).
+    /// the host's). On a GPU, plain greedy decoding reads only the argmax; on CUDA a plain
+    /// temperature draw runs there too, and top-k / top-p / min-p gather their candidates there
+    /// for `cut`. Every other setting needs the whole row on the host (a 600 KB copy for a 150k
+    /// vocabulary, into page-locked memory on CUDA).
     pub fn sample_logits(&mut self, logits: &candle_core::Tensor, history: &[u32]) -> Result<u32> {
         let p = &self.params;
         if p.temperature == 0.0 && !p.has_penalties() && !logits.device().is_cpu() {
@@ -167,7 +142,7 @@ impl Sampler {
                 }
             }
             let mut pinned = self.pinned.take();
-            let id = copy_to_pinned(logits, &mut pinned).map(|row| self.sample(row, history));
+            let id = super::cuda_decode::copy_to_pinned(logits, &mut pinned).map(|row| self.sample(row, history));
             self.pinned = pinned;
             return id;
         }
