@@ -166,6 +166,6 @@ case "${1:-}" in
   swarm) swarm ;;
   models) shift; for s in "$@"; do case $s in q15) model q15 qwen2.5-1.5b --peaky ;; q7) model q7 qwen2.5-7b ;; esac; done ;;
   all) fidelity; bench; swarm ;;
-  *) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+  *) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
 esac
 exit $fail
