@@ -853,6 +853,12 @@ __device__ float row_max(const float* logits, int n) {
     return m;
 }
 
+// A token's sampling weight, exp((l - max) / T), 0 below max - 40T (`floor`) or for NaN, as the
+// CPU sampler's `to_weights` gives it.
+__device__ __forceinline__ float sample_weight(float l, float m, float floor, float scale) {
+    return l >= floor ? expf((l - m) * scale) : 0.f;
+}
+
 // Draws a token from softmax(logits / temperature) with `r`, a uniform draw in [0, 1) made by the
 // host's seeded generator, as the CPU sampler does without top-k, top-p, min-p or penalties:
 // weights exp((l - max) / T), 0 below max - 40T, and the first token whose running sum of weights
@@ -867,10 +873,7 @@ extern "C" __global__ void __launch_bounds__(1024) sample_temperature(const floa
     float floor = m - 40.f * temperature, scale = 1.f / temperature;
     int per = (n + blockDim.x - 1) / blockDim.x, lo = min(n, t * per), hi = min(n, lo + per);
     double s = 0.0;
-    for (int i = lo; i < hi; i++) {
-        float l = logits[i];
-        if (l >= floor) s += (double)expf((l - m) * scale);
-    }
+    for (int i = lo; i < hi; i++) s += (double)sample_weight(logits[i], m, floor, scale);
     sums[t] = s;
     __syncthreads();
     if (t == 0) {
@@ -903,9 +906,9 @@ extern "C" __global__ void __launch_bounds__(1024) sample_temperature(const floa
         double acc = before;
         unsigned pick = (unsigned)lo;
         for (int i = lo; i < hi; i++) {
-            float l = logits[i];
-            if (!(l >= floor)) continue;  // as the sums: NaN counts for nothing
-            acc += (double)expf((l - m) * scale);
+            float w = sample_weight(logits[i], m, floor, scale);
+            if (w == 0.f) continue;
+            acc += (double)w;
             pick = (unsigned)i;
             if (target < acc) break;
         }
@@ -930,10 +933,7 @@ extern "C" __global__ void __launch_bounds__(1024) sample_candidates(const float
     if (t < 3) reach[t] = 0;
     float m = row_max(logits, n);  // its barrier also publishes `reach`
     float floor = m - 40.f * temperature, scale = 1.f / temperature;
-    auto weight = [&](int i) {
-        float l = logits[i];
-        return l >= floor ? expf((l - m) * scale) : 0.f;
-    };
+    auto weight = [&](int i) { return sample_weight(logits[i], m, floor, scale); };
     int per = (n + blockDim.x - 1) / blockDim.x, lo = min(n, t * per), hi = min(n, lo + per);
     double s = 0.0;
     unsigned k[3] = {0, 0, 0};

@@ -85,11 +85,10 @@ pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
     counts: std::collections::HashMap<u32, u32>,
-    /// The candidates of the current step, reused so that a step allocates nothing.
+    /// The candidates of the current step, reused so that a step on the CPU allocates nothing.
     cands: Vec<(u32, f32)>,
-    /// Page-locked host memory that logits on a GPU are copied into (allocated at the first
-    /// sampled step, then reused): a copy into pageable memory goes through the driver's
-    /// staging buffers at a fraction of the bus's speed.
+    /// Page-locked host memory that whole rows of logits on a GPU are copied into (allocated at
+    /// the first such step, then reused).
     #[cfg(feature = "cuda")]
     pinned: Option<super::cuda_decode::PinnedRow>,
 }
@@ -137,8 +136,7 @@ impl Sampler {
                 if let Some((all, cands)) = super::cuda_decode::sample_candidates(logits, p.temperature, p.top_k, p.top_p, p.min_p, GPU_CANDIDATES)? {
                     self.cands = cands;
                     self.cut(all);
-                    let r = self.rng.random::<f64>() * weight_sum(self.cands.iter().map(|c| c.1));
-                    return Ok(draw(self.cands.iter().copied(), r));
+                    return Ok(self.draw_candidate());
                 }
             }
             let mut pinned = self.pinned.take();
@@ -163,6 +161,11 @@ impl Sampler {
             return draw(logits.iter().enumerate().map(|(i, w)| (i as u32, *w)), r);
         }
         self.distribution(logits);
+        self.draw_candidate()
+    }
+
+    /// A draw from the kept candidates, by weight.
+    fn draw_candidate(&mut self) -> u32 {
         let r = self.rng.random::<f64>() * weight_sum(self.cands.iter().map(|c| c.1));
         draw(self.cands.iter().copied(), r)
     }
