@@ -1,6 +1,7 @@
 // decode.cu — shoal's fused kernels for one decode step (one token, batch 1) on an NVIDIA GPU.
 //
-// A step runs five kernels per layer, all on f32 activations:
+// A step runs five kernels per layer, on f32 activations (Q4_K gate/up rows: int8, see
+// `mv_gated_q4_k_ring`):
 //   mv (RMSNorm + q/k/v rows + bias)  ->  attend (q/k norm, rope, KV append, softmax·V)
 //   ->  mv (o rows, added into the residual)  ->  mv (RMSNorm + gate/up rows, act(gate)·up)
 //   ->  mv (down rows, added into the residual)
@@ -46,6 +47,7 @@ struct MvArgs {
     int slice;           // input values per block row (gridDim.y = ceil(cols / slice))
     int q4k;             // 1: some matrix is Q4_K (the input is also staged for dot_q4_k)
     int pairs;           // 1: each warp takes rows 2i and 2i + 1 together (f16/bf16 instances)
+    int stream;          // mv_gated_q4_k_ring: stages of each warp's ring of rows (2 or 3)
     const float* x;      // cols
     const float* norm_w; // cols: RMSNorm the input first; null: use x as it is
     float eps;
@@ -575,6 +577,151 @@ __device__ void mv_rows(const MvArgs& a) {
     }
 }
 
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// Q4_K rows in shared memory · int8 activations (`x8`, one f32 scale `dx` per 32 values, as
+// llama.cpp's MMVQ quantizes them): each lane's 16 nibble bytes meet 16 + 16 input bytes in
+// 8 `dp4a`s, against 3 instructions a value with f32 inputs. The mins' term takes `xsum`, the
+// sums of each 16 int8 inputs times their scale. Lanes as in `dot_q4_k`: 8 a block, 4 blocks
+// a step.
+template <int R>
+__device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, const float* xsum, float* out) {
+    int lane = threadIdx.x & 31;
+    int nb = cols >> 8;
+    int sub = lane & 7, g = sub >> 1, h = sub & 1;
+    float acc[R];
+#pragma unroll
+    for (int k = 0; k < R; k++) acc[k] = 0.f;
+#pragma unroll 2
+    for (int b = lane >> 3; b < nb; b += 4) {
+        int4 xl = *reinterpret_cast<const int4*>(x8 + b * 256 + 64 * g + 16 * h);
+        int4 xh = *reinterpret_cast<const int4*>(x8 + b * 256 + 64 * g + 32 + 16 * h);
+        float dxl = dx[b * 8 + 2 * g], dxh = dx[b * 8 + 2 * g + 1];
+        float slo = xsum[b * 16 + 4 * g + h], shi = xsum[b * 16 + 4 * g + 2 + h];
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) {
+            const uint8_t* blk = rows[rr] + (size_t)b * 144;
+            uint4 hw4 = *reinterpret_cast<const uint4*>(blk);
+            uint4 q = *reinterpret_cast<const uint4*>(blk + 16 + 32 * g + 16 * h);
+            int lo = 0, hi = 0;
+            lo = __dp4a((int)(q.x & 0x0F0F0F0Fu), xl.x, lo);
+            hi = __dp4a((int)((q.x >> 4) & 0x0F0F0F0Fu), xh.x, hi);
+            lo = __dp4a((int)(q.y & 0x0F0F0F0Fu), xl.y, lo);
+            hi = __dp4a((int)((q.y >> 4) & 0x0F0F0F0Fu), xh.y, hi);
+            lo = __dp4a((int)(q.z & 0x0F0F0F0Fu), xl.z, lo);
+            hi = __dp4a((int)((q.z >> 4) & 0x0F0F0F0Fu), xh.z, hi);
+            lo = __dp4a((int)(q.w & 0x0F0F0F0Fu), xl.w, lo);
+            hi = __dp4a((int)((q.w >> 4) & 0x0F0F0F0Fu), xh.w, hi);
+            uint32_t hw[4] = {hw4.x, hw4.y, hw4.z, hw4.w};
+            float2 d = __half22float2(*reinterpret_cast<const __half2*>(&hw[0]));
+            float sc0, m0, sc1, m1;
+            scale_min_k4(2 * g, hw + 1, &sc0, &m0);
+            scale_min_k4(2 * g + 1, hw + 1, &sc1, &m1);
+            acc[rr] += d.x * (sc0 * dxl * (float)lo + sc1 * dxh * (float)hi) - d.y * (m0 * slo + m1 * shi);
+        }
+    }
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) out[rr] = warp_sum(acc[rr]);
+}
+
+// The ring kernel's shared memory: the input as int8 (`cols` bytes), its scales (cols / 32
+// f32) and sums of 16 (cols / 16 f32), then the ring: `stages` slots, each one gate/up row pair
+// per warp (slot-major: a slot of every warp is contiguous).
+__host__ __device__ __forceinline__ size_t q4k_ring_input_bytes(int cols) { return (size_t)cols + (size_t)cols / 32 * 4 + (size_t)cols / 16 * 4; }
+__host__ __device__ __forceinline__ size_t q4k_ring_smem(int cols, int warps, int stages) {
+    return q4k_ring_input_bytes(cols) + (size_t)stages * warps * 2 * fmt_bytes(FMT_Q4_K, cols);
+}
+
+// act(gate · norm(x)) · (up · norm(x)) for Q4_K gate/up rows that stream through a ring in
+// shared memory, one per warp: each warp copies its next STAGES - 1 row pairs with cp.async
+// (no registers held while in flight, so more bytes in flight than loads into registers allow)
+// while it multiplies the pair that has landed, with int8 activations (`dot_q4_k_q8`). Its first
+// copies go out before the previous kernel is waited for (weights depend on no kernel). No
+// block-wide hand-off: a warp waits only for its own copies.
+template <int STAGES>
+__device__ void q4k_gated_ring(const MvArgs& a, uint8_t* smem) {
+    int lane = threadIdx.x & 31, warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    int cols = a.cols, rows = a.seg[0].rows;
+    int first = blockIdx.x * warps + warp, stride = gridDim.x * warps;
+    size_t rb = fmt_bytes(FMT_Q4_K, cols), slot_bytes = (size_t)warps * 2 * rb;
+    int8_t* x8 = reinterpret_cast<int8_t*>(smem);
+    float* dx = reinterpret_cast<float*>(smem + cols);
+    float* xsum = dx + cols / 32;
+    uint8_t* ring = smem + q4k_ring_input_bytes(cols);
+    const uint8_t* gw = reinterpret_cast<const uint8_t*>(a.seg[0].w);
+    const uint8_t* uw = reinterpret_cast<const uint8_t*>(a.seg[1].w);
+    auto slot_of = [&](int slot) { return ring + (size_t)slot * slot_bytes + (size_t)warp * 2 * rb; };
+    auto issue = [&](int slot, int r) {
+        if (r < rows) {
+            uint8_t* dst = slot_of(slot);
+            for (size_t off = (size_t)lane * 16; off < rb; off += 512) {
+                cp_async16(dst + off, gw + (size_t)r * rb + off);
+                cp_async16(dst + rb + off, uw + (size_t)r * rb + off);
+            }
+        }
+        cp_async_commit();  // an empty group past the last row keeps the count uniform
+    };
+    allow_next_kernel();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; s++) issue(s, first + s * stride);
+    wait_for_previous_kernel();
+
+    // The normed input, f32, in the last slot (its first copies go out in the loop below).
+    __shared__ float scratch[32];
+    float* xf = reinterpret_cast<float*>(ring + (size_t)(STAGES - 1) * slot_bytes);
+    float ss = 0.f;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+        float v = a.x[j];
+        xf[j] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss, scratch);  // its barriers also publish xf
+    float rinv = a.norm_w ? rsqrtf(ss / (float)cols + a.eps) : 1.f;
+    if (a.norm_w)
+        for (int j = threadIdx.x; j < cols; j += blockDim.x) xf[j] *= rinv * a.norm_w[j];
+    __syncthreads();
+    // int8 with one scale per 32 values, a warp per 32, and the sums of each 16 of the int8
+    // values times their scale: the mins' term must see the same inputs as the nibbles' (with
+    // exact sums, the rounding of the inputs no longer cancels between the two terms and the
+    // error grows with the nibbles' mean, as in llama.cpp's q8_1 blocks).
+    for (int t = warp; t < cols / 32; t += warps) {
+        float v = xf[32 * t + lane], amax = fabsf(v);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        float d = amax / 127.f;
+        int q = amax > 0.f ? __float2int_rn(v * (127.f / amax)) : 0;
+        x8[32 * t + lane] = (int8_t)q;
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) q += __shfl_xor_sync(0xffffffffu, q, o);  // each 16 lanes' sum
+        if ((lane & 15) == 0) xsum[2 * t + (lane >> 4)] = d * (float)q;
+        if (lane == 0) dx[t] = d;
+    }
+    __syncthreads();
+
+    int i = 0;
+    for (int r = first; r < rows; r += stride, i++) {
+        issue((i + STAGES - 1) % STAGES, r + (STAGES - 1) * stride);  // the slot row i - 1 used
+        cp_async_wait<STAGES - 1>();  // row i's copies have landed
+        __syncwarp();
+        const uint8_t* slot = slot_of(i % STAGES);
+        const uint8_t* pair[2] = {slot, slot + rb};
+        float gu[2];
+        dot_q4_k_q8<2>(pair, cols, x8, dx, xsum, gu);
+        if (lane == 0) {
+            float gv = gu[0] + (a.seg[0].bias ? a.seg[0].bias[r] : 0.f), uv = gu[1] + (a.seg[1].bias ? a.seg[1].bias[r] : 0.f);
+            a.out[r] = (a.mode == MODE_SILU ? silu(gv) : gelu_tanh(gv)) * uv;
+        }
+        __syncwarp();  // every lane has read the slot before it is refilled
+    }
+    cp_async_wait<0>();
+}
+
 // out[i] = act(gate_i · norm(x)) · (up_i · norm(x)) with seg[0] = gate, seg[1] = up: one warp
 // per i takes both rows, loading them together where both are f16, bf16 or Q4_K.
 template <int F>
@@ -616,6 +763,15 @@ MV_KERNELS(bf16, FMT_BF16)
 MV_KERNELS(q8_0, FMT_Q8_0)
 MV_KERNELS(q4_k, FMT_Q4_K)
 MV_KERNELS(q6_k, FMT_Q6_K)
+
+// Gated Q4_K rows through each warp's ring (`q4k_gated_ring`), `stream` stages (2 or 3):
+// shared memory, not registers, bounds its blocks per SM.
+extern "C" __global__ void __launch_bounds__(256, 4) mv_gated_q4_k_ring(MvArgs a) {
+    extern __shared__ float4 ring_smem4[];
+    uint8_t* smem = reinterpret_cast<uint8_t*>(ring_smem4);
+    if (a.stream == 3) q4k_gated_ring<3>(a, smem);
+    else q4k_gated_ring<2>(a, smem);
+}
 
 // x += RMSNorm(h) · w (the post-attention and post-MLP norms of Gemma-style blocks). One block.
 extern "C" __global__ void add_norm(float* x, const float* h, const float* w, int n, float eps) {

@@ -60,6 +60,9 @@ int main(int argc, char** argv) {
     void (*kernels[4][2])(MvArgs) = {{mv_f16, mv_gated_f16}, {mv_q4_k, mv_gated_q4_k}, {mv_q6_k, mv_gated_q6_k}, {mv_q8_0, mv_gated_q8_0}};
     for (auto& k : kernels)
         for (auto f : k) cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024);
+    cudaFuncSetAttribute(mv_gated_q4_k_ring, cudaFuncAttributeMaxDynamicSharedMemorySize, 220 * 1024);
+    // MV_STREAM=2|3: gated Q4_K through each warp's ring of that many stages (mv_gated_q4_k_ring).
+    int stream = getenv("MV_STREAM") ? atoi(getenv("MV_STREAM")) : 0;
 
     // MV_FMT / MV_CASE: only the formats / cases whose names contain them (e.g. MV_FMT=q4_k
     // MV_CASE="7B gate").
@@ -97,6 +100,8 @@ int main(int argc, char** argv) {
             int rows_total = gated ? c.rows : c.rows * c.nseg;
             int per_block = 8;  // rows, or gate/up pairs
             size_t smem = (size_t)slice * 4 + (fmt == FMT_Q4_K ? (size_t)slice * 4 + slice / 16 * 4 : 0);
+            bool ring = stream && fmt == FMT_Q4_K && gated;
+            if (ring) smem = q4k_ring_smem(c.cols, 8, stream);
             int slices = (c.cols + slice - 1) / slice;
             int cap = waves > 0 ? std::max(1, waves * sms / slices) : 1 << 30;  // as cuda_decode.rs
             // f16 rows beyond one per warp: timed one a warp and two a warp (`pairs`), side by side.
@@ -119,7 +124,8 @@ int main(int argc, char** argv) {
                 a.nseg = c.nseg; a.cols = c.cols; a.slice = slice; a.q4k = fmt == FMT_Q4_K; a.pairs = pairs;
                 a.x = x; a.norm_w = c.mode == MODE_ADD ? nullptr : nw; a.eps = 1e-6f; a.mode = c.mode; a.out = out;
                 a.partial = partial; a.arrivals = arrivals;
-                auto kernel = kernels[fi][gated];
+                a.stream = ring ? stream : 0;
+                auto kernel = ring ? mv_gated_q4_k_ring : kernels[fi][gated];
                 if (!pdl) {
                     kernel<<<grid, 256, smem>>>(a);
                     return;
@@ -154,7 +160,7 @@ int main(int argc, char** argv) {
             CK(cudaMemcpy(ho.data(), out, rows_total * 4, cudaMemcpyDeviceToHost));
             double check = 0;
             for (int i = 0; i < rows_total; i++) check += ho[i] * (double)(i % 7 + 1);
-            printf("%-5s %-13s %7.1f us  %7.0f GB/s  (%.1f MB, grid %dx%d%s)  check %.6e\n", fmt_names[fi], c.name, us, per / us / 1e3, per / 1e6, grid.x, grid.y, pairs ? ", pairs" : "", check);
+            printf("%-5s %-13s %7.1f us  %7.0f GB/s  (%.1f MB, grid %dx%d%s%s)  check %.6e\n", fmt_names[fi], c.name, us, per / us / 1e3, per / 1e6, grid.x, grid.y, pairs ? ", pairs" : "", ring ? ", ring" : "", check);
             cudaFree(partial); cudaFree(arrivals);
             }
             for (void* p : ws) cudaFree(p);

@@ -1,6 +1,7 @@
 //! The fused decode step on an NVIDIA GPU: one token of a shard's layers in five kernels per
 //! layer (`cuda/decode.cu`), reading the weights where candle loaded them (dense rows or GGUF
-//! blocks, never copied) and the KV cache in place, with f32 activations throughout. The launch
+//! blocks, never copied) and the KV cache in place, with f32 activations (Q4_K gate/up rows take
+//! int8 ones, as llama.cpp's CUDA kernels do for every quantized matrix). The launch
 //! sequence is captured once as a CUDA graph and replayed each token, for every sequence: the
 //! position and the KV buffers' addresses are read from device memory, written before each step.
 //! Also the sampler's CUDA side: a temperature draw or top-k / top-p / min-p candidates computed
@@ -65,6 +66,7 @@ struct MvArgs {
     slice: i32,
     q4k: i32,
     pairs: i32,
+    stream: i32,
     x: u64,
     norm_w: u64,
     eps: f32,
@@ -136,6 +138,8 @@ pub struct FusedDecode {
     hidden: usize,
     /// Most `mv` blocks per launch (row blocks loop beyond it; 0: one block per 8 rows).
     mv_blocks: u32,
+    /// The same for `mv_gated_q4_k_ring`.
+    ring_blocks: u32,
     /// Whether f16/bf16 launches with more rows than warps take two rows a warp.
     mv_pairs: bool,
     attend_threads: u32,
@@ -278,13 +282,24 @@ struct Planner<'a> {
     device: &'a Device,
     keep: Vec<Tensor>,
     max_smem: usize,
+    /// The most shared memory a block may have on this GPU.
+    smem_limit: usize,
 }
 
 /// Dynamic shared memory of one `mv` block: its input slice as f32; for Q4_K rows also a second
-/// copy in the order their kernel reads, and the sums of each 16 values.
+/// copy in the order their kernel reads, and the sums of each 16 values. The ring kernel
+/// (`stream` stages) holds the input as int8 with its scales and sums, then its ring of rows
+/// (`q4k_ring_smem` in decode.cu).
 fn mv_smem(a: &MvArgs) -> usize {
     let n = a.slice as usize;
-    if a.q4k != 0 { n * 4 * 2 + n / 16 * 4 } else { n * 4 }
+    if a.stream > 0 {
+        let row_bytes = n / 256 * 144;
+        n + n / 32 * 4 + n / 16 * 4 + a.stream as usize * (MV_THREADS as usize / 32) * 2 * row_bytes
+    } else if a.q4k != 0 {
+        n * 4 * 2 + n / 16 * 4
+    } else {
+        n * 4
+    }
 }
 
 /// The `mv` instance in decode.cu for a launch (`gated`: act(gate)·up) whose matrices are in
@@ -378,7 +393,6 @@ impl Planner<'_> {
         let slices = cols.div_ceil(split);
         args.slice = if mode == MODE_ADD && slices > 1 { (cols.div_ceil(256).div_ceil(slices) * 256) as i32 } else { cols as i32 };
         args.q4k = i32::from(args.seg[..parts.len()].iter().any(|s| s.fmt == FMT_Q4_K));
-        self.max_smem = self.max_smem.max(mv_smem(&args));
         if let Some(n) = norm {
             args.norm_w = self.vector(&n.weight)?;
             args.eps = n.eps;
@@ -392,7 +406,16 @@ impl Planner<'_> {
             args.seg.iter().map(|s| s.rows).sum()
         };
         let fmts: Vec<i32> = args.seg[..parts.len()].iter().map(|s| s.fmt).collect();
-        let kernel = mv_kernel(mode == MODE_SILU || mode == MODE_GELU_TANH, &fmts);
+        let mut kernel = mv_kernel(mode == MODE_SILU || mode == MODE_GELU_TANH, &fmts);
+        // Q4_K gate/up rows stream through each warp's ring in shared memory, multiplied with
+        // int8 activations (`mv_gated_q4_k_ring`, `SHOAL_FUSED_RING` stages: 2, or 3; 0 keeps
+        // `mv_gated_q4_k` and f32 activations).
+        let stages = tuned("RING", 2).min(3) as i32;
+        let ring = MvArgs { stream: stages, ..args };
+        if kernel == "mv_gated_q4_k" && stages >= 2 && mv_smem(&ring) <= self.smem_limit {
+            (args, kernel) = (ring, "mv_gated_q4_k_ring");
+        }
+        self.max_smem = self.max_smem.max(mv_smem(&args));
         Ok(Launch::Mv { args, rows: rows as u32, kernel })
     }
 
@@ -417,7 +440,8 @@ impl FusedDecode {
         let stream = cuda.cuda_stream();
         let load = |name: &str| cuda.get_or_load_custom_func(name, MODULE, PTX).map(|f| f.into_cuda_function());
         let (attend, add_norm) = (load("attend")?, load("add_norm")?);
-        let mut p = Planner { device, keep: Vec::new(), max_smem: 0 };
+        let optin = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(driver)? as usize;
+        let mut p = Planner { device, keep: Vec::new(), max_smem: 0, smem_limit: optin };
         let x_t = Tensor::zeros(hidden, DType::F32, device)?;
         let x = tensor_ptr(&x_t)?;
         let step = stream.alloc_zeros::<u64>(1 + 3 * layers.len()).map_err(driver)?;
@@ -506,7 +530,6 @@ impl FusedDecode {
         // Every block of `mv` stages its (normed) input, or its slice of it, in shared memory.
         let smem = p.max_smem;
         let ctx = stream.context();
-        let optin = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(driver)? as usize;
         if smem > optin {
             return Err(unsupported(format!("inputs needing {smem} bytes of shared memory per block (the GPU has {optin})")));
         }
@@ -525,6 +548,7 @@ impl FusedDecode {
         // `SHOAL_KERNEL_OVERLAP=0`: launch each kernel only after the previous one (a diagnostic).
         let overlap = major >= 9 && std::env::var("SHOAL_KERNEL_OVERLAP").map_or(true, |v| v != "0");
         let mv_blocks = sms * tuned("MV_WAVES", 4);
+        let ring_blocks = sms * tuned("RING_WAVES", 3);
         let mv_pairs = tuned("PAIRS", 1) != 0;
         let attend_threads = tuned("ATTEND_THREADS", 512).clamp(64, 512) / 32 * 32;
         let use_graph = std::env::var("SHOAL_CUDA_GRAPH").map_or(true, |v| v != "0");
@@ -540,6 +564,7 @@ impl FusedDecode {
             kv,
             hidden,
             mv_blocks,
+            ring_blocks,
             mv_pairs,
             attend_threads,
             overlap,
@@ -642,7 +667,9 @@ impl FusedDecode {
                     // loop over more rows so that each staged input slice serves several.
                     let slices = (args.cols as u32).div_ceil(args.slice as u32);
                     let warps = MV_THREADS / 32;
-                    let cap = if self.mv_blocks == 0 { u32::MAX } else { (self.mv_blocks / slices).max(1) };
+                    // The ring kernel's blocks hold most of an SM's shared memory: fewer waves.
+                    let most = if kernel == "mv_gated_q4_k_ring" { self.ring_blocks } else { self.mv_blocks };
+                    let cap = if most == 0 { u32::MAX } else { (most / slices).max(1) };
                     // f16/bf16 rows beyond one per warp go two to a warp (`pairs` in decode.cu).
                     args.pairs = i32::from(self.mv_pairs && matches!(kernel, "mv_f16" | "mv_bf16") && rows > cap.saturating_mul(warps));
                     let blocks = rows.div_ceil(warps << args.pairs).clamp(1, cap);
