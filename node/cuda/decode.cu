@@ -47,7 +47,7 @@ struct MvArgs {
     int slice;           // input values per block row (gridDim.y = ceil(cols / slice))
     int q4k;             // 1: some matrix is Q4_K (the input is also staged for dot_q4_k)
     int pairs;           // 1: each warp takes rows 2i and 2i + 1 together (f16/bf16 instances)
-    int stream;          // mv_gated_q4_k_ring: stages of each warp's ring of rows (2 or 3)
+    int stream;          // mv_gated_q4_k_ring: stages of each warp's ring of rows (2 or 3; q4k is 0)
     const float* x;      // cols
     const float* norm_w; // cols: RMSNorm the input first; null: use x as it is
     float eps;
@@ -670,22 +670,9 @@ __device__ void q4k_gated_ring(const MvArgs& a, uint8_t* smem) {
     allow_next_kernel();
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) issue(s, first + s * stride);
-    wait_for_previous_kernel();
-
-    // The normed input, f32, in the last slot (its first copies go out in the loop below).
-    __shared__ float scratch[32];
-    float* xf = reinterpret_cast<float*>(ring + (size_t)(STAGES - 1) * slot_bytes);
-    float ss = 0.f;
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
-        float v = a.x[j];
-        xf[j] = v;
-        ss += v * v;
-    }
-    ss = block_sum(ss, scratch);  // its barriers also publish xf
-    float rinv = a.norm_w ? rsqrtf(ss / (float)cols + a.eps) : 1.f;
-    if (a.norm_w)
-        for (int j = threadIdx.x; j < cols; j += blockDim.x) xf[j] *= rinv * a.norm_w[j];
-    __syncthreads();
+    // The normed input, f32, in the last slot (its first copies go out in the loop below);
+    // `q4k` is 0 for this kernel's launches, and first = rows skips the L2 prefetch of rows.
+    const float* xf = stage_input(a, 0, cols, true, rows, rows, reinterpret_cast<float*>(ring + (size_t)(STAGES - 1) * slot_bytes)).xs;
     // int8 with one scale per 32 values, a warp per 32, and the sums of each 16 of the int8
     // values times their scale: the mins' term must see the same inputs as the nibbles' (with
     // exact sums, the rounding of the inputs no longer cancels between the two terms and the

@@ -125,6 +125,7 @@ int main(int argc, char** argv) {
                 a.x = x; a.norm_w = c.mode == MODE_ADD ? nullptr : nw; a.eps = 1e-6f; a.mode = c.mode; a.out = out;
                 a.partial = partial; a.arrivals = arrivals;
                 a.stream = ring ? stream : 0;
+                if (ring) a.q4k = 0;  // the ring kernel stages its input its own way
                 auto kernel = ring ? mv_gated_q4_k_ring : kernels[fi][gated];
                 if (!pdl) {
                     kernel<<<grid, 256, smem>>>(a);

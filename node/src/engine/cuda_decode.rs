@@ -411,7 +411,7 @@ impl Planner<'_> {
         // int8 activations (`mv_gated_q4_k_ring`, `SHOAL_FUSED_RING` stages: 2, or 3; 0 keeps
         // `mv_gated_q4_k` and f32 activations).
         let stages = tuned("RING", 2).min(3) as i32;
-        let ring = MvArgs { stream: stages, ..args };
+        let ring = MvArgs { stream: stages, q4k: 0, ..args };
         if kernel == "mv_gated_q4_k" && stages >= 2 && mv_smem(&ring) <= self.smem_limit {
             (args, kernel) = (ring, "mv_gated_q4_k_ring");
         }
