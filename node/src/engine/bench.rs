@@ -154,7 +154,8 @@ fn median(xs: &[f64]) -> f64 {
 }
 
 /// Memory read bandwidth with `threads` threads each summing its own part of a `bytes` buffer
-/// (far larger than any cache), pass after pass, for `budget`; the best pass counts. The buffer
+/// (far larger than any cache) with the widest vector loads the CPU has (`kernels::read_sum`),
+/// pass after pass, for `budget`; the best pass counts. The buffer
 /// asks for huge pages as the weights do (`HugePageBuffer`), so the roofline is measured on the
 /// same footing as the kernels that stream them.
 pub fn read_bandwidth(threads: usize, bytes: usize, budget: Duration) -> f64 {
@@ -177,7 +178,7 @@ pub fn read_bandwidth(threads: usize, bytes: usize, budget: Duration) -> f64 {
     let chunk = buffer.len().div_ceil(threads);
     let pass = || {
         std::thread::scope(|s| {
-            let hs: Vec<_> = buffer.chunks(chunk).map(|c| s.spawn(move || c.iter().fold(0u64, |a, x| a.wrapping_add(*x)))).collect();
+            let hs: Vec<_> = buffer.chunks(chunk).map(|c| s.spawn(move || super::kernels::read_sum(c))).collect();
             hs.into_iter().map(|h| h.join().unwrap_or(0)).fold(0u64, u64::wrapping_add)
         })
     };

@@ -154,6 +154,16 @@ pub struct QMatrix {
     data: WeightBytes,
 }
 
+/// The wrapping sum of `words`: the memory-read probe's pass, with the widest loads this CPU has.
+pub fn read_sum(words: &[u64]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    if x86::has_avx2() {
+        // SAFETY: AVX2 is present (checked above).
+        return unsafe { x86::read_sum(words) };
+    }
+    words.iter().fold(0u64, |a, x| a.wrapping_add(*x))
+}
+
 /// A matrix's bytes: from 2 MiB up in a `HugePageBuffer`, below on the heap.
 #[derive(Debug)]
 enum WeightBytes {
@@ -454,10 +464,10 @@ fn dot_group<const R: usize>(w: &QMatrix, g: usize, a: &[Q8K], a_rows: [usize; R
         // SAFETY: `Isa::Avx2` / `Avx512` are only chosen when the CPU has those features; the
         // group holds `per` interleaved blocks and every activation row `per` blocks.
         let lanes = match (isa, q4k) {
-            (Isa::Avx512, true) => Some(unsafe { x86::avx512::dot_q4k_x8::<R>(group.as_ptr(), per, ar) }),
-            (Isa::Avx512, false) => Some(unsafe { x86::avx512::dot_q6k_x8::<R>(group.as_ptr(), per, ar) }),
-            (Isa::Avx2, true) => Some(unsafe { x86::avx2::dot_q4k_x8::<R>(group.as_ptr(), per, ar) }),
-            (Isa::Avx2, false) => Some(unsafe { x86::avx2::dot_q6k_x8::<R>(group.as_ptr(), per, ar) }),
+            (Isa::Avx512, true) => Some(unsafe { x86::avx512::dot_q4k_x8::<R>(group.as_ptr(), per, ar, 0) }),
+            (Isa::Avx512, false) => Some(unsafe { x86::avx512::dot_q6k_x8::<R>(group.as_ptr(), per, ar, 0) }),
+            (Isa::Avx2, true) => Some(unsafe { x86::avx2::dot_q4k_x8::<R>(group.as_ptr(), per, ar, 0) }),
+            (Isa::Avx2, false) => Some(unsafe { x86::avx2::dot_q6k_x8::<R>(group.as_ptr(), per, ar, 0) }),
             _ => None,
         };
         if let Some(lanes) = lanes {

@@ -343,10 +343,11 @@ pub fn dequantize_q5_0(w: &[u8], out: &mut [f32]) {
 // of once per row. The bytes are the same bytes, moved:
 //
 // - Q4_K ×8 (1152 bytes): `d` of row j at 2 j, `dmin` at 16 + 2 j; byte 32 + 8 s + j is row j's
-//   scale byte s (low 4 bits of scale and min); the little-endian u16 at 96 + 2 s holds in bits
-//   2 j, 2 j + 1 the high bits of row j's scale s, the one at 112 + 2 s those of its min s; byte
-//   128 + 128 s + 32 k + 4 j + e is row j's `qs` byte 32 k + 4 s + e (values 32 s + 4 k + e, low
-//   nibble, and 32 s + 16 + 4 k + e, high nibble).
+//   scale byte s (low 4 bits of scale and min); the two high bits of row j's scale s sit in
+//   bits 2 p, 2 p + 1 of byte 96 + 8 (s % 4) + j, with p = s / 4 for a scale and 2 + s / 4 for a
+//   min, so that one 32-byte load shifted by 4, 2, 0 or -2 and masked puts them beside the low
+//   bits of 32 values at once; byte 128 + 128 s + 32 k + 4 j + e is row j's `qs` byte
+//   32 k + 4 s + e (values 32 s + 4 k + e, low nibble, and 32 s + 16 + 4 k + e, high nibble).
 // - Q6_K ×8 (1680 bytes): `d` of row j at 2 j; byte 16 + 8 t + j is row j's scale t; then each
 //   sub-block s in 192 bytes from 144 + 192 s: byte 32 c + 4 j + e of them is row j's `ql` byte
 //   32 c + 4 s + e, and byte 128 + 32 h + 4 j + e its `qh` byte 128 + 32 h + 4 s + e.
@@ -397,13 +398,8 @@ pub fn interleave_x8(q4k: bool, rows: [&[u8]; 8], out: &mut [u8]) {
         out[96..128].fill(0);
         for (j, b) in rows.iter().enumerate() {
             let hi = u32::from_le_bytes(b[12..16].try_into().expect("4 bytes"));
-            for s in 0..8 {
-                for (base, shift) in [(96, 2 * s), (112, 16 + 2 * s)] {
-                    let field = ((hi >> shift) & 3) as u16;
-                    let at = base + 2 * s;
-                    let word = u16::from_le_bytes([out[at], out[at + 1]]) | field << (2 * j);
-                    out[at..at + 2].copy_from_slice(&word.to_le_bytes());
-                }
+            for (at, p, shift) in q4k_x8_high_bits(j) {
+                out[at] |= (((hi >> shift) & 3) as u8) << (2 * p);
             }
         }
     }
@@ -417,14 +413,17 @@ pub fn row_of_x8(q4k: bool, x8: &[u8], j: usize, out: &mut [u8]) {
     }
     if q4k {
         let mut hi = 0u32;
-        for s in 0..8 {
-            for (base, shift) in [(96, 2 * s), (112, 16 + 2 * s)] {
-                let word = u16::from_le_bytes([x8[base + 2 * s], x8[base + 2 * s + 1]]);
-                hi |= u32::from((word >> (2 * j)) & 3) << shift;
-            }
+        for (at, p, shift) in q4k_x8_high_bits(j) {
+            hi |= u32::from((x8[at] >> (2 * p)) & 3) << shift;
         }
         out[12..16].copy_from_slice(&hi.to_le_bytes());
     }
+}
+
+/// Where row `j`'s 16 high-bit pairs of a Q4_K block live in the interleaved block: (byte, pair
+/// within the byte, the pair's bit offset in the step-ordered block's word at 12..16).
+fn q4k_x8_high_bits(j: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    (0..8).flat_map(move |s| [(96 + 8 * (s % 4) + j, s / 4, 2 * s), (96 + 8 * (s % 4) + j, 2 + s / 4, 16 + 2 * s)])
 }
 
 /// Row `j` of an interleaved group of eight rows (`blocks` interleaved blocks), step-ordered.

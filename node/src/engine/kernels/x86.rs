@@ -16,6 +16,12 @@ use super::act::{finish_q8k, finish_q8x4, Q8x4, Q8K};
 use super::portable::spread_2bit_fields;
 
 
+/// How far ahead of the block being multiplied decode asks for weight bytes (`prefetcht0`).
+/// Measured on a 2-core Zen 3 VM, 2 threads, 250 MB of Q4_K or Q6_K rows, distances 0-6,144
+/// alternated in one process: 1,024 bytes gave 2-21% more GB/s than none in each of 8 rounds;
+/// larger distances gained less.
+pub const PREFETCH_AHEAD: usize = 1024;
+
 pub fn has_avx2() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
 }
@@ -45,6 +51,14 @@ unsafe fn hsum128(s: __m128) -> f32 {
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
     _mm_cvtss_f32(s)
+}
+
+/// Asks for the cache lines of `bytes` bytes from `p` (which need not be valid memory).
+#[inline(always)]
+unsafe fn prefetch(p: *const u8, bytes: usize) {
+    for l in (0..bytes).step_by(64) {
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(l) as *const i8);
+    }
 }
 
 #[inline(always)]
@@ -189,52 +203,91 @@ macro_rules! kernels {
             }
         }
 
-        /// A Q4_K ×8 block's scales and mins of sub-block `s` for its eight rows, as i32 lanes.
+        /// A Q4_K ×8 block's 6-bit scales and mins, all 64 of each at once (byte 8 s + j of the
+        /// pair is row j's value for sub-block s): the low bits are the nibbles of bytes 32..96,
+        /// the high bits come from one 32-byte load at 96, shifted into place (`portable.rs`).
         #[target_feature(enable = $features)]
         #[inline]
-        unsafe fn q4k_x8_scales(b: *const u8, s: usize) -> (__m256i, __m256i) {
-            let lo = (b.add(32 + 8 * s) as *const u64).read_unaligned();
-            let hs = (b.add(96 + 2 * s) as *const u16).read_unaligned() as u32;
-            let hm = (b.add(112 + 2 * s) as *const u16).read_unaligned() as u32;
-            let (hs, hm) = if $vnni {
-                (_pdep_u64(hs as u64, 0x3030_3030_3030_3030), _pdep_u64(hm as u64, 0x3030_3030_3030_3030))
-            } else {
-                (spread_2bit_fields(hs), spread_2bit_fields(hm))
-            };
-            let sc = _mm_cvtsi64_si128(((lo & 0x0F0F_0F0F_0F0F_0F0F) | hs) as i64);
-            let mn = _mm_cvtsi64_si128((((lo >> 4) & 0x0F0F_0F0F_0F0F_0F0F) | hm) as i64);
-            (_mm256_cvtepu8_epi32(sc), _mm256_cvtepu8_epi32(mn))
+        unsafe fn q4k_x8_scales_mins(b: *const u8) -> ([__m256i; 2], [__m256i; 2]) {
+            let m4 = _mm256_set1_epi8(0xF);
+            let m30 = _mm256_set1_epi8(0x30);
+            let (l0, l1, h) = (loadu(b.add(32)), loadu(b.add(64)), loadu(b.add(96)));
+            let high = |v: __m256i| _mm256_and_si256(v, m30);
+            let sc = [
+                _mm256_or_si256(_mm256_and_si256(l0, m4), high(_mm256_slli_epi16(h, 4))),
+                _mm256_or_si256(_mm256_and_si256(l1, m4), high(_mm256_slli_epi16(h, 2))),
+            ];
+            let mn = [
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(h)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(_mm256_srli_epi16(h, 2))),
+            ];
+            (sc, mn)
         }
 
         /// Dot products of one interleaved group of eight Q4_K rows (`nb` blocks of 1152 bytes,
         /// see `portable::interleave_x8`) with `R` activation rows: lane j of result r is row j
         /// against activation row r. Each 32-bit lane sums one row; the four activation bytes it
         /// needs are broadcast. With VNNI the high nibbles are taken in place (16 × their value:
-        /// `vpdpbusd` does not saturate) and the 1/16 goes into the block scale.
+        /// `vpdpbusd` does not saturate) and the 1/16 goes into the block scale. Without it the
+        /// eight `maddubs` products of a sub-block add up in 16 bits (at most 8 · 2 · 15 · 127 =
+        /// 30,480) and one `madd` with the scale, doubled into both halves of each row's lane,
+        /// takes them to 32 bits: two multiplies a step instead of four, and no `mullo`.
+        /// `ahead` > 0: each block first asks for the cache lines of the bytes `ahead` further on.
         #[target_feature(enable = $features)]
-        pub unsafe fn dot_q4k_x8<const R: usize>(w: *const u8, nb: usize, a: [&[Q8K]; R]) -> [__m256; R] {
+        pub unsafe fn dot_q4k_x8<const R: usize>(w: *const u8, nb: usize, a: [&[Q8K]; R], ahead: usize) -> [__m256; R] {
             let m4 = _mm256_set1_epi8(0xF);
             let m4h = _mm256_set1_epi8(0xF0u8 as i8);
             let hi_weight = if $vnni { 1.0 / 16.0 } else { 1.0 };
             let mut acc = [_mm256_setzero_ps(); R];
             for i in 0..nb {
                 let b = w.add(1152 * i);
+                prefetch(b.wrapping_add(ahead), if ahead > 0 { 1152 } else { 0 });
+                let (sc, mn) = q4k_x8_scales_mins(b);
+                // With VNNI the scales as they are; without, each byte twice (one 16-bit half of a
+                // row's lane each), sub-blocks in the order 0, 2, 1, 3, 4, 6, 5, 7 by 16 bytes.
+                let scales = if $vnni {
+                    [sc[0], sc[1], sc[0], sc[1]]
+                } else {
+                    [_mm256_unpacklo_epi8(sc[0], sc[0]), _mm256_unpackhi_epi8(sc[0], sc[0]), _mm256_unpacklo_epi8(sc[1], sc[1]), _mm256_unpackhi_epi8(sc[1], sc[1])]
+                };
+                let scales = scales.as_ptr() as *const u8;
+                let mins = mn.as_ptr() as *const u8;
                 let mut isum = [_mm256_setzero_si256(); R];
                 let mut fmin = [_mm256_setzero_ps(); R];
                 for s in 0..8 {
-                    let mut dl = [_mm256_setzero_si256(); R];
-                    let mut dh = [_mm256_setzero_si256(); R];
-                    for k in 0..4 {
-                        let bits = loadu(b.add(128 + 128 * s + 32 * k));
-                        let lo = _mm256_and_si256(bits, m4);
-                        let hi = if $vnni { _mm256_and_si256(bits, m4h) } else { _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4) };
-                        dot_x8_step(&mut dl, &mut dh, lo, hi, a, i, k, s);
+                    let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(mins.add(8 * s) as *const __m128i)));
+                    if $vnni {
+                        let mut dl = [_mm256_setzero_si256(); R];
+                        let mut dh = [_mm256_setzero_si256(); R];
+                        for k in 0..4 {
+                            let bits = loadu(b.add(128 + 128 * s + 32 * k));
+                            dot_x8_step(&mut dl, &mut dh, _mm256_and_si256(bits, m4), _mm256_and_si256(bits, m4h), a, i, k, s);
+                        }
+                        let sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(scales.add(8 * s) as *const __m128i));
+                        for r in 0..R {
+                            isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(_mm256_add_epi32(_mm256_slli_epi32(dl[r], 4), dh[r]), sc));
+                        }
+                    } else {
+                        let mut d16 = [_mm256_setzero_si256(); R];
+                        for k in 0..4 {
+                            let bits = loadu(b.add(128 + 128 * s + 32 * k));
+                            let lo = _mm256_and_si256(bits, m4);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
+                            for r in 0..R {
+                                let q8 = a[r].get_unchecked(i).qs.as_ptr() as *const u8;
+                                let al = _mm256_set1_epi32((q8.add(32 * k + 4 * s) as *const i32).read_unaligned());
+                                let ah = _mm256_set1_epi32((q8.add(32 * (k + 4) + 4 * s) as *const i32).read_unaligned());
+                                let p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, al), _mm256_maddubs_epi16(hi, ah));
+                                d16[r] = if k == 0 { p } else { _mm256_add_epi16(d16[r], p) };
+                            }
+                        }
+                        let at = 64 * (s / 4) + 32 * (s % 2) + 16 * ((s / 2) % 2);
+                        let sc = _mm256_cvtepu8_epi16(_mm_loadu_si128(scales.add(at) as *const __m128i));
+                        for r in 0..R {
+                            isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(d16[r], sc));
+                        }
                     }
-                    let (sc, mn) = q4k_x8_scales(b, s);
-                    let mn = _mm256_cvtepi32_ps(mn);
                     for r in 0..R {
-                        let dots = if $vnni { _mm256_add_epi32(_mm256_slli_epi32(dl[r], 4), dh[r]) } else { _mm256_add_epi32(dl[r], dh[r]) };
-                        isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(dots, sc));
                         fmin[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(*a[r].get_unchecked(i).ybs.get_unchecked(s)), fmin[r]);
                     }
                 }
@@ -250,9 +303,10 @@ macro_rules! kernels {
         }
 
         /// Dot products of one interleaved group of eight Q6_K rows (`nb` blocks of 1680 bytes)
-        /// with `R` activation rows, lane j of result r being row j against activation row r.
+        /// with `R` activation rows, lane j of result r being row j against activation row r;
+        /// `ahead` as for `dot_q4k_x8`.
         #[target_feature(enable = $features)]
-        pub unsafe fn dot_q6k_x8<const R: usize>(w: *const u8, nb: usize, a: [&[Q8K]; R]) -> [__m256; R] {
+        pub unsafe fn dot_q6k_x8<const R: usize>(w: *const u8, nb: usize, a: [&[Q8K]; R], ahead: usize) -> [__m256; R] {
             let m4 = _mm256_set1_epi8(0xF);
             let m30 = _mm256_set1_epi8(0x30);
             // Bits 2 j, 2 j + 1 of a high-bit byte, moved to bits 4 and 5.
@@ -268,6 +322,7 @@ macro_rules! kernels {
             let mut acc = [_mm256_setzero_ps(); R];
             for i in 0..nb {
                 let b = w.add(1680 * i);
+                prefetch(b.wrapping_add(ahead), if ahead > 0 { 1680 } else { 0 });
                 let mut isum = [_mm256_setzero_si256(); R];
                 for s in 0..8 {
                     // Values are stored as q + 32: start from -32 × the activation sums.
@@ -309,7 +364,10 @@ macro_rules! kernels {
             assert!(a.len() >= nb && w.len() >= out.len() / 8 * group_bytes && out.len() % 8 == 0);
             for (g, o) in out.chunks_exact_mut(8).enumerate() {
                 let p = w.as_ptr().add(g * group_bytes);
-                let [v] = if q4k { dot_q4k_x8::<1>(p, nb, [a]) } else { dot_q6k_x8::<1>(p, nb, [a]) };
+                // Measured on Zen 3 (AVX2); on Zen 4 (AVX-512) software prefetch 2-8 KiB ahead
+                // slowed the stream (README, Performance), so that build leaves it to the hardware.
+                let ahead = if $vnni { 0 } else { PREFETCH_AHEAD };
+                let [v] = if q4k { dot_q4k_x8::<1>(p, nb, [a], ahead) } else { dot_q6k_x8::<1>(p, nb, [a], ahead) };
                 _mm256_storeu_ps(o.as_mut_ptr(), v);
             }
         }
@@ -565,6 +623,24 @@ macro_rules! kernels {
         }
 
     };
+}
+
+/// The wrapping sum of `words`, read with 256-bit loads into four independent sums: the pass of
+/// the memory-read probe (`bench::read_bandwidth`), which a scalar loop leaves 20-30% short of
+/// what this machine reads (measured side by side with `examples/kernel_speed.rs`).
+#[target_feature(enable = "avx2")]
+pub unsafe fn read_sum(words: &[u64]) -> u64 {
+    let (body, tail) = words.split_at(words.len() / 16 * 16);
+    let p = body.as_ptr() as *const __m256i;
+    let mut sums = [_mm256_setzero_si256(); 4];
+    for i in 0..body.len() / 16 {
+        for (k, s) in sums.iter_mut().enumerate() {
+            *s = _mm256_add_epi64(*s, _mm256_loadu_si256(p.add(4 * i + k)));
+        }
+    }
+    let total = _mm256_add_epi64(_mm256_add_epi64(sums[0], sums[1]), _mm256_add_epi64(sums[2], sums[3]));
+    let lanes: [u64; 4] = std::mem::transmute(total);
+    lanes.iter().chain(tail).fold(0u64, |a, x| a.wrapping_add(*x))
 }
 
 /// AVX2 + FMA + F16C.
