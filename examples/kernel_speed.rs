@@ -1,11 +1,8 @@
 //! Times shoal's quantized matmul kernels on random matrices of model-like shapes: GB/s of
-//! weights for one activation row (decode) and GMAC/s for many (prompts). The first shapes fit the
-//! L3 cache (compute speed); the last two are streamed from memory as decode streams a model,
-//! six copies (about 250 MB) in turn so no cache keeps any of them, printed beside the memory-read
-//! probe of `shoal bench` taken in between. A development aid for tuning the kernels; not used by
-//! tests and asserts nothing.
+//! weights for one activation row (decode) and GMAC/s for many (prompts). A development aid for
+//! tuning the kernels; not used by tests and asserts nothing.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
@@ -22,34 +19,24 @@ fn main() -> anyhow::Result<()> {
             continue;
         }
         let w = Tensor::randn(0f32, 0.1, (rows, cols), &Device::Cpu)?;
+        let q = QMatrix::from_qtensor(&QTensor::quantize(&w, dtype)?)?.expect("supported");
         let big = rows * cols > 32 << 20;
-        let qt = QTensor::quantize(&w, dtype)?;
-        let copies: Vec<QMatrix> = (0..if big { 6 } else { 1 }).map(|_| QMatrix::from_qtensor(&qt).map(|q| q.expect("supported"))).collect::<Result<_, _>>()?;
-        let q = &copies[0];
         for m in [1usize, 64] {
             if big && m > 1 {
                 continue;
             }
             let x = Tensor::randn(0f32, 1.0, (m, cols), &Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
             let mut out = vec![0f32; m * rows];
-            matmul_many(&[q], &x, m, &mut [&mut out], Isa::Auto, &pool);
+            matmul_many(&[&q], &x, m, &mut [&mut out], Isa::Auto, &pool);
             // The best of many runs: on a shared machine that is the run nobody interrupted.
-            let reps = if big { 10 } else if m == 1 { 300 } else { 20 };
+            let reps = if m == 1 { 300 } else { 20 };
             let mut s = f64::MAX;
-            let mut probe = 0f64;
             for _ in 0..reps {
                 let t0 = Instant::now();
-                for q in &copies {
-                    matmul_many(&[q], &x, m, &mut [&mut out], Isa::Auto, &pool);
-                }
-                s = s.min(t0.elapsed().as_secs_f64() / copies.len() as f64);
-                if big {
-                    probe = probe.max(shoal::engine::bench::read_bandwidth(threads, 256 << 20, Duration::from_millis(50)));
-                }
+                matmul_many(&[&q], &x, m, &mut [&mut out], Isa::Auto, &pool);
+                s = s.min(t0.elapsed().as_secs_f64());
             }
-            let gbs = q.size_in_bytes() as f64 / s / 1e9;
-            let vs_probe = if big { format!(" ({:.2} of the {:.1} GB/s read probe)", gbs / (probe / 1e9), probe / 1e9) } else { String::new() };
-            println!("{dtype:?} {rows}x{cols} m={m}: {:.2} ms, {gbs:.1} GB/s weights{vs_probe}, {:.1} GMAC/s", s * 1e3, (m * rows * cols) as f64 / s / 1e9);
+            println!("{dtype:?} {rows}x{cols} m={m}: {:.2} ms, {:.1} GB/s weights, {:.1} GMAC/s", s * 1e3, q.size_in_bytes() as f64 / s / 1e9, (m * rows * cols) as f64 / s / 1e9);
         }
     }
     Ok(())

@@ -18,8 +18,9 @@ use super::portable::spread_2bit_fields;
 
 /// How far ahead of the block being multiplied decode asks for weight bytes (`prefetcht0`).
 /// Measured on a 2-core Zen 3 VM, 2 threads, 250 MB of Q4_K or Q6_K rows, distances 0-6,144
-/// alternated in one process: 1,024 bytes gave 2-21% more GB/s than none in each of 8 rounds;
-/// larger distances gained less.
+/// alternated in one process: 1,024 bytes gave 2-21% more GB/s than none in each of 8 rounds,
+/// larger distances less; `examples/decode_stream.rs` (the Qwen mix): best passes 14.3-18.6
+/// against 13.9-14.0 GB/s without, medians within this VM's noise.
 pub const PREFETCH_AHEAD: usize = 1024;
 
 pub fn has_avx2() -> bool {
@@ -241,7 +242,9 @@ macro_rules! kernels {
             let mut acc = [_mm256_setzero_ps(); R];
             for i in 0..nb {
                 let b = w.add(1152 * i);
-                prefetch(b.wrapping_add(ahead), if ahead > 0 { 1152 } else { 0 });
+                if ahead > 0 {
+                    prefetch(b.wrapping_add(ahead), 1152);
+                }
                 let (sc, mn) = q4k_x8_scales_mins(b);
                 // With VNNI the scales as they are; without, each byte twice (one 16-bit half of a
                 // row's lane each), sub-blocks in the order 0, 2, 1, 3, 4, 6, 5, 7 by 16 bytes.
@@ -322,7 +325,9 @@ macro_rules! kernels {
             let mut acc = [_mm256_setzero_ps(); R];
             for i in 0..nb {
                 let b = w.add(1680 * i);
-                prefetch(b.wrapping_add(ahead), if ahead > 0 { 1680 } else { 0 });
+                if ahead > 0 {
+                    prefetch(b.wrapping_add(ahead), 1680);
+                }
                 let mut isum = [_mm256_setzero_si256(); R];
                 for s in 0..8 {
                     // Values are stored as q + 32: start from -32 × the activation sums.
@@ -627,7 +632,10 @@ macro_rules! kernels {
 
 /// The wrapping sum of `words`, read with 256-bit loads into four independent sums: the pass of
 /// the memory-read probe (`bench::read_bandwidth`), which a scalar loop leaves 20-30% short of
-/// what this machine reads (measured side by side with `examples/kernel_speed.rs`).
+/// what this machine reads (15-22 against 22-26 GB/s, side by side in one process on a Zen 3 VM).
+///
+/// # Safety
+/// The CPU must have AVX2 (`has_avx2`).
 #[target_feature(enable = "avx2")]
 pub unsafe fn read_sum(words: &[u64]) -> u64 {
     let (body, tail) = words.split_at(words.len() / 16 * 16);
