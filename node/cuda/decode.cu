@@ -492,10 +492,14 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
         ss += v * v;
     }
     if (a.norm_w) {
+        if (kn < a.cols) {  // a split-K slice: the norm still takes the whole row
+            ss = 0.f;
+            for (int j = threadIdx.x; j < a.cols; j += blockDim.x) ss += a.x[j] * a.x[j];
+        }
         ss = block_sum(ss, scratch);  // its barriers also publish xs
         float rinv = rsqrtf(ss / (float)a.cols + a.eps);
 #pragma unroll 4
-        for (int j = threadIdx.x; j < a.cols; j += blockDim.x) xs[j] *= rinv * a.norm_w[j];
+        for (int j = threadIdx.x; j < kn; j += blockDim.x) xs[j] *= rinv * a.norm_w[k0 + j];
     }
     __syncthreads();
     float* xp = xs + kn;
@@ -514,10 +518,11 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
 }
 
 // out (=|+=) W · norm(x) over up to three stacked matrices, one warp per output row. Long rows
-// added into the residual are split over block rows (split-K): block row y takes input values
-// [k0, k0 + kn) and stores its partial sums; the last block of a column to finish adds them to
-// the output in slice order, so that every run sums in the same order (atomic adds would not,
-// and a seeded sampler would then draw differently from run to run).
+// added into the residual, and those of short stored launches (q/k/v), are split over block rows
+// (split-K): block row y takes input values [k0, k0 + kn) and stores its partial sums; the last
+// block of a column to finish adds them (to the output, or as it) in slice order, so that every
+// run sums in the same order (atomic adds would not, and a seeded sampler would then draw
+// differently from run to run).
 template <int F>
 __device__ void mv_rows(const MvArgs& a) {
     extern __shared__ float4 xs4[];  // float4: 16-byte aligned for the vector loads
@@ -529,10 +534,10 @@ __device__ void mv_rows(const MvArgs& a) {
     auto put = [&](int r, const Seg& sg, int lr, float y) {
         if (lane == 0) {
             if (sg.bias && k0 == 0) y += sg.bias[lr];
-            if (a.mode != MODE_ADD) a.out[r] = y;
+            if (gridDim.y > 1 && a.partial) a.partial[(size_t)blockIdx.y * total + r] = y;
+            else if (a.mode != MODE_ADD) a.out[r] = y;
             else if (gridDim.y == 1) a.out[r] += y;
-            else if (a.partial) a.partial[(size_t)blockIdx.y * total + r] = y;
-            else atomicAdd(&a.out[r], y);
+            else atomicAdd(&a.out[r], y);  // split-K adds without scratch (never for stores)
         }
     };
     if ((F == FMT_F16 || F == FMT_BF16) && a.pairs) {
@@ -570,7 +575,8 @@ __device__ void mv_rows(const MvArgs& a) {
                 if (r >= total) break;
                 float sum = 0.f;
                 for (int s = 0; s < (int)gridDim.y; s++) sum += __ldcg(&a.partial[(size_t)s * total + r]);
-                a.out[r] += sum;
+                if (a.mode == MODE_ADD) a.out[r] += sum;
+                else a.out[r] = sum;
             }
             if (threadIdx.x == 0) a.arrivals[blockIdx.x] = 0;
         }

@@ -96,7 +96,9 @@ int main(int argc, char** argv) {
             bool gated = c.mode == MODE_SILU;
             int split = 2048;
             int nslices = (c.cols + split - 1) / split;  // equal slices, as cuda_decode.rs
-            int slice = (c.mode == MODE_ADD && nslices > 1) ? ((c.cols / 256 + nslices - 1) / nslices) * 256 : c.cols;
+            // MV_SPLIT_STORE=1: stored launches under 8,192 rows split too (cuda_decode.rs's default).
+            bool split_store = getenv("MV_SPLIT_STORE") && atoi(getenv("MV_SPLIT_STORE")) && c.mode == MODE_STORE && c.rows * c.nseg < 8192;
+            int slice = ((c.mode == MODE_ADD || split_store) && nslices > 1) ? ((c.cols / 256 + nslices - 1) / nslices) * 256 : c.cols;
             int rows_total = gated ? c.rows : c.rows * c.nseg;
             int per_block = 8;  // rows, or gate/up pairs
             size_t smem = (size_t)slice * 4 + (fmt == FMT_Q4_K ? (size_t)slice * 4 + slice / 16 * 4 : 0);

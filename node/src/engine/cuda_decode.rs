@@ -389,9 +389,13 @@ impl Planner<'_> {
         // SPLIT_K: input values per block for split rows (a whole number of every format's blocks).
         // Slices are equal (whole 256-value blocks, at most SPLIT_K values), so that no block row
         // is left with a short remainder while the others stream.
+        // Stored launches with few rows (q/k/v) split too, when `SPLIT_STORE_ROWS` (rows, 0: never)
+        // is above theirs: their rows alone leave most warps waiting on one long row each.
         let split = (tuned("SPLIT_K", 2048) as usize).next_multiple_of(256);
         let slices = cols.div_ceil(split);
-        args.slice = if mode == MODE_ADD && slices > 1 { (cols.div_ceil(256).div_ceil(slices) * 256) as i32 } else { cols as i32 };
+        let stored_rows: i32 = args.seg[..parts.len()].iter().map(|s| s.rows).sum();
+        let split_store = mode == MODE_STORE && stored_rows < tuned("SPLIT_STORE_ROWS", 8192) as i32;
+        args.slice = if (mode == MODE_ADD || split_store) && slices > 1 { (cols.div_ceil(256).div_ceil(slices) * 256) as i32 } else { cols as i32 };
         args.q4k = i32::from(args.seg[..parts.len()].iter().any(|s| s.fmt == FMT_Q4_K));
         if let Some(n) = norm {
             args.norm_w = self.vector(&n.weight)?;
@@ -515,6 +519,16 @@ impl FusedDecode {
         // `SHOAL_FUSED_ATOMIC_SPLIT=1`: add split-K partial sums atomically instead (about 5%
         // faster decode on an H100, but sums, and so seeded sampling, then vary between runs).
         let atomic_split = std::env::var("SHOAL_FUSED_ATOMIC_SPLIT").is_ok_and(|v| v == "1");
+        if atomic_split {
+            // Atomic adds need a zeroed output: stored launches stay whole.
+            for l in &mut launches {
+                if let Launch::Mv { args, .. } = l {
+                    if args.mode == MODE_STORE {
+                        args.slice = args.cols;
+                    }
+                }
+            }
+        }
         if partial_len > 0 && !atomic_split {
             let partial = p.scratch(partial_len)?;
             // Zeroed f32 are zeroed u32: one counter per block column (at most one per 8 rows).
