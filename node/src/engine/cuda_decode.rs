@@ -34,6 +34,11 @@ fn tuned(name: &str, default: u32) -> u32 {
     std::env::var(format!("SHOAL_FUSED_{name}")).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
+/// `SHOAL_FUSED_ATOMIC_SPLIT=1`: split-K partial sums are added atomically, in arrival order.
+fn atomic_split() -> bool {
+    std::env::var("SHOAL_FUSED_ATOMIC_SPLIT").is_ok_and(|v| v == "1")
+}
+
 const FMT_F32: i32 = 0;
 const FMT_F16: i32 = 1;
 const FMT_BF16: i32 = 2;
@@ -394,7 +399,8 @@ impl Planner<'_> {
         let split = (tuned("SPLIT_K", 2048) as usize).next_multiple_of(256);
         let slices = cols.div_ceil(split);
         let stored_rows: i32 = args.seg[..parts.len()].iter().map(|s| s.rows).sum();
-        let split_store = mode == MODE_STORE && stored_rows < tuned("SPLIT_STORE_ROWS", 8192) as i32;
+        // Atomic split-K adds need a zeroed output: there stored launches stay whole.
+        let split_store = mode == MODE_STORE && !atomic_split() && stored_rows < tuned("SPLIT_STORE_ROWS", 8192) as i32;
         args.slice = if (mode == MODE_ADD || split_store) && slices > 1 { (cols.div_ceil(256).div_ceil(slices) * 256) as i32 } else { cols as i32 };
         args.q4k = i32::from(args.seg[..parts.len()].iter().any(|s| s.fmt == FMT_Q4_K));
         if let Some(n) = norm {
@@ -518,17 +524,7 @@ impl FusedDecode {
         let (partial_len, most_rows) = split.fold((0, 0), |(p_len, r), (n, rows)| (p_len.max(n), r.max(rows)));
         // `SHOAL_FUSED_ATOMIC_SPLIT=1`: add split-K partial sums atomically instead (about 5%
         // faster decode on an H100, but sums, and so seeded sampling, then vary between runs).
-        let atomic_split = std::env::var("SHOAL_FUSED_ATOMIC_SPLIT").is_ok_and(|v| v == "1");
-        if atomic_split {
-            // Atomic adds need a zeroed output: stored launches stay whole.
-            for l in &mut launches {
-                if let Launch::Mv { args, .. } = l {
-                    if args.mode == MODE_STORE {
-                        args.slice = args.cols;
-                    }
-                }
-            }
-        }
+        let atomic_split = atomic_split();
         if partial_len > 0 && !atomic_split {
             let partial = p.scratch(partial_len)?;
             // Zeroed f32 are zeroed u32: one counter per block column (at most one per 8 rows).
