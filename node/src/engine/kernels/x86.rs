@@ -19,9 +19,9 @@ use super::portable::spread_2bit_fields;
 /// How far ahead of the block being multiplied decode asks for weight bytes (`prefetcht0`).
 /// Measured on a 2-core Zen 3 VM, 2 threads, 250 MB of Q4_K or Q6_K rows, distances 0-6,144
 /// alternated in one process: 1,024 bytes gave 2-21% more GB/s than none in each of 8 rounds,
-/// larger distances less; `examples/decode_stream.rs` (the Qwen mix): best passes 14.3-18.6
+/// larger distances no more on the whole; `examples/decode_stream.rs` (the Qwen mix): best passes 14.3-18.6
 /// against 13.9-14.0 GB/s without, medians within this VM's noise.
-pub const PREFETCH_AHEAD: usize = 1024;
+const PREFETCH_AHEAD: usize = 1024;
 
 pub fn has_avx2() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
@@ -632,7 +632,7 @@ macro_rules! kernels {
 
 /// The wrapping sum of `words`, read with 256-bit loads into four independent sums: the pass of
 /// the memory-read probe (`bench::read_bandwidth`), which a scalar loop leaves 20-30% short of
-/// what this machine reads (15-22 against 22-26 GB/s, side by side in one process on a Zen 3 VM).
+/// what this machine reads (15-22 against 22-27 GB/s, side by side in one process on a Zen 3 VM).
 ///
 /// # Safety
 /// The CPU must have AVX2 (`has_avx2`).
