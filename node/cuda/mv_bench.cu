@@ -94,7 +94,7 @@ int main(int argc, char** argv) {
             CK(cudaMemcpy(nw, hn.data(), c.cols * 4, cudaMemcpyHostToDevice));
             CK(cudaMemset(out, 0, (size_t)c.rows * 2 * 4));
             bool gated = c.mode == MODE_SILU;
-            int split = 2048;
+            int split = getenv("MV_SPLIT") ? atoi(getenv("MV_SPLIT")) : 2048;  // values a split-K slice (SHOAL_FUSED_SPLIT_K)
             int nslices = (c.cols + split - 1) / split;  // equal slices, as cuda_decode.rs
             // MV_SPLIT_STORE=1: stored launches under 8,192 rows split too (cuda_decode.rs's default).
             bool split_store = getenv("MV_SPLIT_STORE") && atoi(getenv("MV_SPLIT_STORE")) && c.mode == MODE_STORE && c.rows * c.nseg < 8192;
