@@ -13,6 +13,11 @@
 //!     matches with `SHOAL_FUSED_RING=0`. `--int8`: the fused step's Q4_K gate/up rows take int8
 //!     activations (its ring kernel), so it must only be as close to that f32 result as candle's
 //!     own 8-bit-activation kernels (MMVQ) are, in largest difference and in top-1 ids;
+//!   device_check prompt <model> [--device cuda] [--tokens 600]
+//!     a long prompt's last logits with quantized matrices dequantized to f16 for cuBLAS (what
+//!     prompts of 512 tokens and more take) and through candle's MMQ kernels (int8 activations),
+//!     both against candle's f32 dequantize-and-multiply on the same device: the f16 path within
+//!     1% of the logit range and no further off than MMQ, and the same top-1 id as the reference;
 //!   device_check interleave <model> [--device cuda] [--tokens 64]
 //!     two sequences decoded turn about (as a server interleaves requests) give the same greedy
 //!     tokens as each decoded alone, and the milliseconds per token of both ways;
@@ -234,6 +239,34 @@ fn main() -> anyhow::Result<()> {
             println!("{} {model}: fused vs candle decode over {n} steps: max |Δlogit| {abs:.3e} ({rel:.2e} of range), top-1 equal {same_top}/{n}{bound}", if ok { "PASS" } else { "FAIL" });
             failures += usize::from(!ok);
         }
+        (Some("prompt"), Some(model)) => {
+            let n: usize = flag(&args, "--tokens").map(|t| t.parse()).transpose()?.unwrap_or(600);
+            let m = LoadedModel::load(model.as_ref(), &LoadOptions { device: device.clone(), ..LoadOptions::default() })?;
+            let sentence = m.text.encode_prompt("The quick brown fox jumps over the lazy dog, and then it runs far away. ")?;
+            let ids: Vec<u32> = sentence.iter().copied().cycle().take(n).collect();
+            let last = |dequantize_from: usize, dmmv: bool| -> anyhow::Result<Vec<f32>> {
+                shoal::engine::layers::set_dequantize_prompt_from(dequantize_from);
+                #[cfg(feature = "cuda")]
+                candle_core::quantized::cuda::set_force_dmmv(dmmv);
+                let _ = dmmv;
+                let mut cache = m.shard.new_cache();
+                logits(&m.shard, &ids, &mut cache, false)?.pop().context("no logits")
+            };
+            // candle's forced DMMV path dequantizes to f32 and multiplies in f32 for t > 1.
+            let reference = last(0, true)?;
+            let mmq = last(0, false)?;
+            let f16 = last(1, false)?;
+            shoal::engine::layers::set_dequantize_prompt_from(512);
+            let ((_, f16_rel), (_, mmq_rel)) = (gap(&f16, &reference), gap(&mmq, &reference));
+            let ok = f16_rel <= 1e-2 && f16_rel <= mmq_rel.max(1e-3) && argmax(&f16) == argmax(&reference);
+            println!(
+                "{} {model}: {n}-token prompt, last logits against f32 dequantize-and-multiply: dequantized to f16 {f16_rel:.2e} of range (top-1 {}), MMQ {mmq_rel:.2e} (top-1 {})",
+                if ok { "PASS" } else { "FAIL" },
+                if argmax(&f16) == argmax(&reference) { "equal" } else { "differs" },
+                if argmax(&mmq) == argmax(&reference) { "equal" } else { "differs" },
+            );
+            failures += usize::from(!ok);
+        }
         (Some("interleave"), Some(model)) => {
             let n: usize = flag(&args, "--tokens").map(|t| t.parse()).transpose()?.unwrap_or(64);
             let m = LoadedModel::load(model.as_ref(), &LoadOptions { device: device.clone(), ..LoadOptions::default() })?;
@@ -296,7 +329,7 @@ fn main() -> anyhow::Result<()> {
                 }
             }
         }
-        _ => bail!("usage: device_check fixtures <dir> | same|fused|interleave|time <model> [--device cuda] [--tokens N] [--prompt TEXT] | sample [--draws N]"),
+        _ => bail!("usage: device_check fixtures <dir> | same|fused|prompt|interleave|time <model> [--device cuda] [--tokens N] [--prompt TEXT] | sample [--draws N]"),
     }
     if failures > 0 {
         bail!("{failures} check(s) failed");

@@ -6,7 +6,9 @@
 #   scripts/gpu-check.sh fidelity [fixtures]   fixtures vs transformers on the GPU; Qwen2.5-1.5B-shaped
 #                                   f16 and Q4_K_M: 16 greedy tokens on the GPU equal the CPU's,
 #                                   and the fused decode step agrees with candle's ops; two
-#                                   sequences decoded turn about equal each decoded alone; the
+#                                   sequences decoded turn about equal each decoded alone; a
+#                                   600-token Q4_K_M prompt dequantized to f16 is as close to
+#                                   f32 as candle's MMQ kernels are; the
 #                                   GPU's sampling (temperature, top-k, top-p, min-p) agrees with the CPU sampler
 #   scripts/gpu-check.sh bench [q15] [q7]   shoal bench (f16, Q4_K_M) for 1.5B and 7B shapes vs
 #                                   transformers f16 on the same GPU, one run, printed as a table
@@ -60,6 +62,8 @@ fidelity() {
   "$CHECK" fused "$WORK/q15-q4km/model.gguf" --device cuda --tokens 32 --int8 || fail=1
   "$CHECK" interleave "$WORK/q15-f16" --device cuda --tokens 64 || fail=1
   "$CHECK" interleave "$WORK/q15-q4km/model.gguf" --device cuda --tokens 64 || fail=1
+  # Prompts of 512 tokens and more multiply quantized matrices dequantized to f16 (cuBLAS).
+  "$CHECK" prompt "$WORK/q15-q4km/model.gguf" --device cuda --tokens 600 || fail=1
 }
 
 bench() { # bench [q15] [q7]: which model shapes (default both)

@@ -3,6 +3,7 @@
 //! Blocks are built from a `ModelSpec` and a `Weights` source; they hold no KV state.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::{CpuStorage, DType, Device, Module, Tensor};
 
@@ -37,13 +38,24 @@ impl RmsNorm {
     }
 }
 
-/// Whether a quantized matrix on a GPU multiplies `x` dequantized to f16 through cuBLAS rather
-/// than through candle's MMQ kernels: from `SHOAL_DEQUANT_PROMPT` token rows on (0: never).
-/// Default 512: on one H100, Q4_K_M prompts of 512 tokens ran 27% (7B) and 19% (1.5B) faster
-/// that way, 1,024 tokens 39% and 25%; at 256 the 7B gained 4% and the 1.5B lost 16%.
+/// Token rows from which a quantized matrix on a GPU multiplies its input dequantized to f16 by
+/// cuBLAS rather than through candle's MMQ kernels (0: never); `usize::MAX` until first read
+/// from `SHOAL_DEQUANT_PROMPT`. Default 512: on one H100, Q4_K_M prompts of 512 tokens ran 27%
+/// (7B) and 19% (1.5B) faster that way, 1,024 tokens 39% and 25%; at 256 the 7B gained 4% and
+/// the 1.5B lost 16%.
+static DEQUANT_PROMPT_FROM: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Sets that bound for this process (`device_check prompt` compares both paths).
+pub fn set_dequantize_prompt_from(token_rows: usize) {
+    DEQUANT_PROMPT_FROM.store(token_rows, Ordering::Relaxed);
+}
+
 fn dequantize_for(x: &Tensor) -> bool {
-    static FROM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let from = *FROM.get_or_init(|| std::env::var("SHOAL_DEQUANT_PROMPT").ok().and_then(|v| v.parse().ok()).unwrap_or(512));
+    let mut from = DEQUANT_PROMPT_FROM.load(Ordering::Relaxed);
+    if from == usize::MAX {
+        from = std::env::var("SHOAL_DEQUANT_PROMPT").ok().and_then(|v| v.parse().ok()).unwrap_or(512);
+        DEQUANT_PROMPT_FROM.store(from, Ordering::Relaxed);
+    }
     let token_rows: usize = x.dims().iter().rev().skip(1).product();
     from > 0 && x.device().is_cuda() && token_rows >= from
 }
