@@ -256,7 +256,6 @@ fn main() -> anyhow::Result<()> {
             let reference = last(0, true)?;
             let mmq = last(0, false)?;
             let f16 = last(1, false)?;
-            shoal::engine::layers::set_dequantize_prompt_from(512);
             let ((_, f16_rel), (_, mmq_rel)) = (gap(&f16, &reference), gap(&mmq, &reference));
             let ok = f16_rel <= 1e-2 && f16_rel <= mmq_rel.max(1e-3) && argmax(&f16) == argmax(&reference);
             println!(

@@ -7,8 +7,8 @@
 #                                   f16 and Q4_K_M: 16 greedy tokens on the GPU equal the CPU's,
 #                                   and the fused decode step agrees with candle's ops; two
 #                                   sequences decoded turn about equal each decoded alone; a
-#                                   600-token Q4_K_M prompt dequantized to f16 is as close to
-#                                   f32 as candle's MMQ kernels are; the
+#                                   600-token Q4_K_M prompt dequantized to f16 is at least as
+#                                   close to f32 as candle's MMQ kernels; the
 #                                   GPU's sampling (temperature, top-k, top-p, min-p) agrees with the CPU sampler
 #   scripts/gpu-check.sh bench [q15] [q7]   shoal bench (f16, Q4_K_M) for 1.5B and 7B shapes vs
 #                                   transformers f16 on the same GPU, one run, printed as a table
