@@ -96,11 +96,19 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.weight {
             Matrix::Packed(w) => x.contiguous()?.apply_op1_no_bwd(&QMatMulOp { weight: w.clone() })?,
-            Matrix::Candle(candle_core::quantized::QMatMul::QTensor(q)) if dequantize_for(x) => {
+            Matrix::Candle(w @ candle_core::quantized::QMatMul::QTensor(q)) if dequantize_for(x) => {
                 // A long prompt on a GPU: the matrix dequantized to f16 (a transient copy, freed
-                // when this returns) and multiplied by cuBLAS, rather than candle's MMQ kernels.
-                let w = q.dequantize_f16(x.device())?;
-                x.to_dtype(DType::F16)?.broadcast_matmul(&w.t()?)?.to_dtype(x.dtype())?
+                // when this returns) and multiplied by cuBLAS, rather than candle's MMQ kernels;
+                // those still take it where that fails (a format candle cannot dequantize to
+                // f16 there, or no GPU memory left for the copy).
+                let dense = q.dequantize_f16(x.device()).and_then(|d| x.to_dtype(DType::F16)?.broadcast_matmul(&d.t()?)?.to_dtype(x.dtype()));
+                match dense {
+                    Ok(y) => y,
+                    Err(e) => {
+                        tracing::debug!(error = %e, dtype = ?q.dtype(), "dequantized prompt matmul failed; using MMQ");
+                        w.forward(x)?
+                    }
+                }
             }
             Matrix::Candle(w) => w.forward(x)?,
         };
