@@ -257,12 +257,15 @@ fn main() -> anyhow::Result<()> {
             let mmq = last(0, false)?;
             let f16 = last(1, false)?;
             let ((_, f16_rel), (_, mmq_rel)) = (gap(&f16, &reference), gap(&mmq, &reference));
-            let ok = f16_rel <= 1e-2 && f16_rel <= mmq_rel.max(1e-3) && argmax(&f16) == argmax(&reference);
+            let top = argmax(&reference);
+            let (f16_top, mmq_top) = (argmax(&f16) == top, argmax(&mmq) == top);
+            let ok = f16_rel <= 1e-2 && f16_rel <= mmq_rel.max(1e-3) && f16_top;
+            let said = |equal: bool| if equal { "equal" } else { "differs" };
             println!(
                 "{} {model}: {n}-token prompt, last logits against f32 dequantize-and-multiply: dequantized to f16 {f16_rel:.2e} of range (top-1 {}), MMQ {mmq_rel:.2e} (top-1 {})",
                 if ok { "PASS" } else { "FAIL" },
-                if argmax(&f16) == argmax(&reference) { "equal" } else { "differs" },
-                if argmax(&mmq) == argmax(&reference) { "equal" } else { "differs" },
+                said(f16_top),
+                said(mmq_top),
             );
             failures += usize::from(!ok);
         }

@@ -101,8 +101,7 @@ impl Linear {
                 // when this returns) and multiplied by cuBLAS, rather than candle's MMQ kernels;
                 // those still take it where that fails (a format candle cannot dequantize to
                 // f16 there, or no GPU memory left for the copy).
-                let dense = q.dequantize_f16(x.device()).and_then(|d| x.to_dtype(DType::F16)?.broadcast_matmul(&d.t()?)?.to_dtype(x.dtype()));
-                match dense {
+                match w.forward_via_f16(x) {
                     Ok(y) => y,
                     Err(e) => {
                         tracing::debug!(error = %e, dtype = ?q.dtype(), "dequantized prompt matmul failed; using MMQ");
