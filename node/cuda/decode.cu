@@ -10,7 +10,8 @@
 // KV cache addresses come from device memory, so a step is captured once as a CUDA graph and
 // replayed for every sequence. On sm_90 and later
 // each kernel may start while the previous one finishes (programmatic dependent launch): it
-// prefetches what depends on no earlier kernel, then waits before reading earlier results.
+// fetches what depends on no earlier kernel (f16/bf16 warps load their first rows, other formats
+// pull theirs into L2), then waits before reading earlier results.
 // Also here, at the end: sampling where the logits are (`sample_temperature` draws a token,
 // `sample_candidates` gathers top-k / top-p / min-p candidates for the host's cuts).
 // What this file does not do: prompts (t > 1 run through candle and cuBLAS), batches, the
@@ -55,6 +56,9 @@ struct MvArgs {
     float* out;
     float* partial;      // split-K: slices x rows partial sums, or null (then summed atomically)
     unsigned* arrivals;  // split-K: per block column, slices that have written their partials
+    int preload;         // 1: f16/bf16 rows: a warp loads its first rows before the wait (see `mv_rows`)
+    int launch;          // this launch's place in the step (for the trace)
+    unsigned long long* trace;  // `SHOAL_FUSED_TRACE`: block timeline records, or null
 };
 
 // Programmatic dependent launch (Hopper on): `allow_next_kernel` lets the next kernel's blocks
@@ -72,6 +76,40 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+
+// ---- `SHOAL_FUSED_TRACE` (a diagnostic): per block, when it started, passed its wait for the
+// previous kernel, had its input ready, and ended (%globaltimer, ns). trace[0] counts records,
+// trace[1] is their capacity; a record is 5 words from trace[2] on. Off (null) in normal runs.
+__shared__ unsigned long long trace_started, trace_waited, trace_ready;
+
+__device__ __forceinline__ unsigned long long now_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__device__ __forceinline__ void trace_mark(const unsigned long long* trace, unsigned long long* at) {
+    if (trace && threadIdx.x == 0) *at = now_ns();
+}
+
+// Every thread of the block calls this last (a uniform branch on `trace`).
+__device__ void trace_block(unsigned long long* trace, int launch) {
+    if (!trace) return;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned long long slot = atomicAdd(trace, 1ull);
+        if (slot < trace[1]) {
+            unsigned smid;
+            asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+            unsigned long long* r = trace + 2 + 5 * slot;
+            r[0] = trace_started;
+            r[1] = trace_waited;
+            r[2] = trace_ready;
+            r[3] = now_ns();
+            r[4] = ((unsigned long long)launch << 32) | ((unsigned long long)smid << 20) | (blockIdx.y * gridDim.x + blockIdx.x);
+        }
+    }
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -115,44 +153,67 @@ __device__ __forceinline__ void widen2(uint32_t p, int fmt, float* lo, float* hi
     }
 }
 
-// f16/bf16 rows: 8 values (16 bytes) per lane per step, 8 / R steps (2048 / R values) per round,
-// R rows at once (their loads in flight together, each x value read once for all R).
-template <int FMT, int R>
-__device__ __forceinline__ void dot_half(const uint8_t* const* rows, int cols, const float* xs, float* out) {
-    constexpr int STEPS = 8 / R;
+// One round of `dot_half`'s loads: 8 / R steps of R rows, step k's row rr at u[k * R + rr].
+struct HalfLoads {
+    uint4 u[8];
+};
+
+template <int R>
+__device__ __forceinline__ void half_load(const uint8_t* const* rows, int cols, int base, HalfLoads& l) {
     int lane = threadIdx.x & 31;
-    float acc[R];
 #pragma unroll
-    for (int rr = 0; rr < R; rr++) acc[rr] = 0.f;
-    for (int base = 0; base < cols; base += STEPS * 256) {
-        uint4 u[STEPS][R];
+    for (int k = 0; k < 8 / R; k++) {
+        int j = base + k * 256 + lane * 8;
 #pragma unroll
-        for (int k = 0; k < STEPS; k++) {
-            int j = base + k * 256 + lane * 8;
+        for (int rr = 0; rr < R; rr++)
+            l.u[k * R + rr] = j < cols ? __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(rows[rr]) + j)) : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// Adds one round of `dot_half` (loaded from `base`) into acc.
+template <int FMT, int R>
+__device__ __forceinline__ void half_use(const HalfLoads& l, int cols, int base, const float* xs, float* acc) {
+    int lane = threadIdx.x & 31;
 #pragma unroll
-            for (int rr = 0; rr < R; rr++)
-                u[k][rr] = j < cols ? __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(rows[rr]) + j)) : make_uint4(0, 0, 0, 0);
-        }
+    for (int k = 0; k < 8 / R; k++) {
+        int j = base + k * 256 + lane * 8;
+        if (j < cols) {
+            // x as two 16-byte shared loads (scalar loads 8 values apart would conflict).
+            float4 xa = *reinterpret_cast<const float4*>(xs + j), xb = *reinterpret_cast<const float4*>(xs + j + 4);
+            float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
-        for (int k = 0; k < STEPS; k++) {
-            int j = base + k * 256 + lane * 8;
-            if (j < cols) {
-                // x as two 16-byte shared loads (scalar loads 8 values apart would conflict).
-                float4 xa = *reinterpret_cast<const float4*>(xs + j), xb = *reinterpret_cast<const float4*>(xs + j + 4);
-                float xv[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+            for (int rr = 0; rr < R; rr++) {
+                const uint32_t* p = reinterpret_cast<const uint32_t*>(&l.u[k * R + rr]);
 #pragma unroll
-                for (int rr = 0; rr < R; rr++) {
-                    const uint32_t* p = reinterpret_cast<const uint32_t*>(&u[k][rr]);
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        float lo, hi;
-                        widen2(p[e], FMT, &lo, &hi);
-                        acc[rr] = fmaf(lo, xv[2 * e], acc[rr]);
-                        acc[rr] = fmaf(hi, xv[2 * e + 1], acc[rr]);
-                    }
+                for (int e = 0; e < 4; e++) {
+                    float lo, hi;
+                    widen2(p[e], FMT, &lo, &hi);
+                    acc[rr] = fmaf(lo, xv[2 * e], acc[rr]);
+                    acc[rr] = fmaf(hi, xv[2 * e + 1], acc[rr]);
                 }
             }
         }
+    }
+}
+
+// f16/bf16 rows: 8 values (16 bytes) per lane per step, 8 / R steps (2048 / R values) per round,
+// R rows at once (their loads in flight together, each x value read once for all R). With
+// `preloaded`, `first` is the first round, already loaded (`half_load` from 0).
+template <int FMT, int R>
+__device__ __forceinline__ void dot_half(const uint8_t* const* rows, int cols, const float* xs, float* out, bool preloaded = false, const HalfLoads& first = HalfLoads{}) {
+    constexpr int ROUND = 8 / R * 256;
+    float acc[R];
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) acc[rr] = 0.f;
+    int base = 0;
+    if (preloaded) {
+        half_use<FMT, R>(first, cols, 0, xs, acc);
+        base = ROUND;
+    }
+    for (; base < cols; base += ROUND) {
+        HalfLoads l;
+        half_load<R>(rows, cols, base, l);
+        half_use<FMT, R>(l, cols, base, xs, acc);
     }
 #pragma unroll
     for (int rr = 0; rr < R; rr++) out[rr] = warp_sum(acc[rr]);
@@ -484,22 +545,25 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
         }
     }
     wait_for_previous_kernel();
-    float ss = 0.f;
-#pragma unroll 4
-    for (int j = threadIdx.x; j < kn; j += blockDim.x) {
-        float v = a.x[k0 + j];
-        xs[j] = v;
-        ss += v * v;
-    }
+    trace_mark(a.trace, &trace_waited);
     if (a.norm_w) {
-        if (kn < a.cols) {  // a split-K slice: the norm still takes the whole row
-            ss = 0.f;
-            for (int j = threadIdx.x; j < a.cols; j += blockDim.x) ss += a.x[j] * a.x[j];
+        // One round of loads: x over the whole row (the norm takes all of it, also for a
+        // split-K slice) and beside it the norm weights of this block's slice; xs holds x·w
+        // until the row's scale is known.
+        float ss = 0.f;
+#pragma unroll 8
+        for (int j = threadIdx.x; j < a.cols; j += blockDim.x) {
+            float v = a.x[j];
+            ss += v * v;
+            unsigned i = (unsigned)(j - k0);
+            if (i < (unsigned)kn) xs[i] = v * a.norm_w[j];
         }
         ss = block_sum(ss, scratch);  // its barriers also publish xs
         float rinv = rsqrtf(ss / (float)a.cols + a.eps);
-#pragma unroll 4
-        for (int j = threadIdx.x; j < kn; j += blockDim.x) xs[j] *= rinv * a.norm_w[k0 + j];
+        for (int j = threadIdx.x; j < kn; j += blockDim.x) xs[j] *= rinv;
+    } else {
+#pragma unroll 8
+        for (int j = threadIdx.x; j < kn; j += blockDim.x) xs[j] = a.x[k0 + j];
     }
     __syncthreads();
     float* xp = xs + kn;
@@ -514,6 +578,7 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
         }
         __syncthreads();
     }
+    trace_mark(a.trace, &trace_ready);
     return Staged{xs, xp, xsum};
 }
 
@@ -530,7 +595,24 @@ __device__ void mv_rows(const MvArgs& a) {
     int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     int first = blockIdx.x * warps + (threadIdx.x >> 5);
     int total = a.seg[0].rows + (a.nseg > 1 ? a.seg[1].rows : 0) + (a.nseg > 2 ? a.seg[2].rows : 0);
-    Staged in = stage_input(a, k0, kn, false, first << a.pairs, total, reinterpret_cast<float*>(xs4));
+    trace_mark(a.trace, &trace_started);
+    // f16/bf16 rows with `preload`: the warp's first rows (one round of loads) go out before the
+    // wait for the previous kernel, as weights depend on none; otherwise their start is pulled
+    // into L2 there.
+    constexpr bool HALF = F == FMT_F16 || F == FMT_BF16;
+    constexpr int HF = F == FMT_BF16 ? FMT_BF16 : FMT_F16;
+    HalfLoads pre;
+    bool preloaded = false;
+    if (HALF && a.preload && (first << a.pairs) < total) {
+        int r = first << a.pairs;
+        int lr[2] = {r, min(r + 1, total - 1)};
+        Seg sg[2] = {seg_of_row(a, &lr[0]), seg_of_row(a, &lr[1])};
+        const uint8_t* rows[2] = {row_at(sg[0].w, HF, lr[0], a.cols, k0), row_at(sg[1].w, HF, lr[1], a.cols, k0)};
+        if (a.pairs) half_load<2>(rows, kn, 0, pre);
+        else half_load<1>(rows, kn, 0, pre);
+        preloaded = true;
+    }
+    Staged in = stage_input(a, k0, kn, false, preloaded ? total : first << a.pairs, total, reinterpret_cast<float*>(xs4));
     auto put = [&](int r, const Seg& sg, int lr, float y) {
         if (lane == 0) {
             if (sg.bias && k0 == 0) y += sg.bias[lr];
@@ -540,18 +622,39 @@ __device__ void mv_rows(const MvArgs& a) {
             else atomicAdd(&a.out[r], y);  // split-K adds without scratch (never for stores)
         }
     };
-    if ((F == FMT_F16 || F == FMT_BF16) && a.pairs) {
+    if (HALF && a.pairs) {
         // More rows than warps: two rows a warp with their loads in flight together, rather
         // than a second pass over the rows that leaves most warps idle.
-        for (int r = 2 * first; r < total; r += 2 * gridDim.x * warps) {
+        auto pair = [&](int r, bool use_pre) {
             int lr[2] = {r, min(r + 1, total - 1)};
             Seg sg[2] = {seg_of_row(a, &lr[0]), seg_of_row(a, &lr[1])};
             const uint8_t* rows[2] = {row_at(sg[0].w, F, lr[0], a.cols, k0), row_at(sg[1].w, F, lr[1], a.cols, k0)};
             float y[2];
-            dot_half<F == FMT_BF16 ? FMT_BF16 : FMT_F16, 2>(rows, kn, in.xs, y);
+            dot_half<HF, 2>(rows, kn, in.xs, y, use_pre, pre);
             put(r, sg[0], lr[0], y[0]);
             if (r + 1 < total) put(r + 1, sg[1], lr[1], y[1]);
+        };
+        int r = 2 * first, stride = 2 * gridDim.x * warps;
+        if (preloaded) {  // peeled, so that `pre` is dead in the loop
+            pair(r, true);
+            r += stride;
         }
+        for (; r < total; r += stride) pair(r, false);
+    } else if (HALF) {
+        auto one = [&](int r, bool use_pre) {
+            int lr = r;
+            Seg sg = seg_of_row(a, &lr);
+            const uint8_t* row = row_at(sg.w, HF, lr, a.cols, k0);
+            float y;
+            dot_half<HF, 1>(&row, kn, in.xs, &y, use_pre, pre);
+            put(r, sg, lr, y);
+        };
+        int r = first, stride = gridDim.x * warps;
+        if (preloaded) {
+            one(r, true);
+            r += stride;
+        }
+        for (; r < total; r += stride) one(r, false);
     } else {
         for (int r = first; r < total; r += gridDim.x * warps) {
             int lr = r;
@@ -581,6 +684,7 @@ __device__ void mv_rows(const MvArgs& a) {
             if (threadIdx.x == 0) a.arrivals[blockIdx.x] = 0;
         }
     }
+    trace_block(a.trace, a.launch);
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -662,6 +766,7 @@ __device__ void q4k_gated_ring(const MvArgs& a, uint8_t* smem) {
     uint8_t* ring = smem + q4k_ring_input_bytes(cols);
     const uint8_t* gw = reinterpret_cast<const uint8_t*>(a.seg[0].w);
     const uint8_t* uw = reinterpret_cast<const uint8_t*>(a.seg[1].w);
+    trace_mark(a.trace, &trace_started);
     auto slot_of = [&](int slot) { return ring + (size_t)slot * slot_bytes + (size_t)warp * 2 * rb; };
     auto issue = [&](int slot, int r) {
         if (r < rows) {
@@ -713,6 +818,7 @@ __device__ void q4k_gated_ring(const MvArgs& a, uint8_t* smem) {
         __syncwarp();  // every lane has read the slot before it is refilled
     }
     cp_async_wait<0>();
+    trace_block(a.trace, a.launch);
 }
 
 // out[i] = act(gate_i · norm(x)) · (up_i · norm(x)) with seg[0] = gate, seg[1] = up: one warp
@@ -723,16 +829,22 @@ __device__ void mv_gated_rows(const MvArgs& a) {
     int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     int first = blockIdx.x * warps + (threadIdx.x >> 5);
     Seg gs = a.seg[0], us = a.seg[1];
-    Staged in = stage_input(a, 0, a.cols, true, first, gs.rows, reinterpret_cast<float*>(xs4));
-    for (int r = first; r < gs.rows; r += gridDim.x * warps) {
+    trace_mark(a.trace, &trace_started);
+    constexpr bool HALF = F == FMT_F16 || F == FMT_BF16;
+    HalfLoads pre;  // as in `mv_rows`: the first gate/up pair's loads before the wait
+    bool preloaded = HALF && a.preload && first < gs.rows;
+    if (preloaded) {
+        const uint8_t* rows[2] = {row_at(gs.w, F, first, a.cols, 0), row_at(us.w, F, first, a.cols, 0)};
+        half_load<2>(rows, a.cols, 0, pre);
+    }
+    Staged in = stage_input(a, 0, a.cols, true, preloaded ? gs.rows : first, gs.rows, reinterpret_cast<float*>(xs4));
+    auto gated = [&](int r, bool use_pre) {
         float gu[2];
         const uint8_t* rows[2] = {row_at(gs.w, gs.fmt, r, a.cols, 0), row_at(us.w, us.fmt, r, a.cols, 0)};
         if (F == FMT_Q4_K) {
             dot_q4_k<2>(rows, a.cols, in.xp, in.xsum, gu);
-        } else if (F == FMT_F16) {
-            dot_half<FMT_F16, 2>(rows, a.cols, in.xs, gu);
-        } else if (F == FMT_BF16) {
-            dot_half<FMT_BF16, 2>(rows, a.cols, in.xs, gu);
+        } else if (HALF) {
+            dot_half<F == FMT_BF16 ? FMT_BF16 : FMT_F16, 2>(rows, a.cols, in.xs, gu, use_pre, pre);
         } else {
             gu[0] = dot_row<F>(gs.w, gs.fmt, r, a.cols, 0, a.cols, in);
             gu[1] = dot_row<F>(us.w, us.fmt, r, a.cols, 0, a.cols, in);
@@ -741,7 +853,14 @@ __device__ void mv_gated_rows(const MvArgs& a) {
             float g = gu[0] + (gs.bias ? gs.bias[r] : 0.f), u = gu[1] + (us.bias ? us.bias[r] : 0.f);
             a.out[r] = (a.mode == MODE_SILU ? silu(g) : gelu_tanh(g)) * u;
         }
+    };
+    int r = first, stride = gridDim.x * warps;
+    if (preloaded) {  // peeled, so that `pre` is dead in the loop
+        gated(r, true);
+        r += stride;
     }
+    for (; r < gs.rows; r += stride) gated(r, false);
+    trace_block(a.trace, a.launch);
 }
 
 // One instance of each kernel per weight format, each with registers for its own loop only,
@@ -803,6 +922,8 @@ struct AttnArgs {
     float scale;
     float softcap;         // 0: none
     float eps;
+    int launch;            // as in MvArgs
+    unsigned long long* trace;
 };
 
 __device__ __forceinline__ void cache_store(void* c, int fmt, size_t i, float v) {
@@ -878,6 +999,7 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
     __shared__ float q[ATTN_MAX_D], kn[ATTN_MAX_D], vn[ATTN_MAX_D];
     __shared__ float part[ATTN_MAX_WARPS][ATTN_MAX_D];
     __shared__ float wmax[ATTN_MAX_WARPS], wsum[ATTN_MAX_WARPS];
+    trace_mark(a.trace, &trace_started);
     allow_next_kernel();
     int h = blockIdx.x, d = a.d;
     int rep = a.heads / a.kv_heads, kvh = h / rep;
@@ -898,6 +1020,7 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
         }
     }
     wait_for_previous_kernel();
+    trace_mark(a.trace, &trace_waited);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const float* kin = a.qkv + a.heads * d + kvh * d;
     const float* vin = a.qkv + a.heads * d + a.kv_heads * d + kvh * d;
@@ -908,6 +1031,7 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
         for (int i = lane; i < d; i += 32) vn[i] = vin[i];
     }
     __syncthreads();
+    trace_mark(a.trace, &trace_ready);
     if (h % rep == 0) {
         for (int i = threadIdx.x; i < d; i += blockDim.x) {
             cache_store(cache.k, a.cache_fmt, head_base + (size_t)pos * d + i, kn[i]);
@@ -985,6 +1109,7 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
         }
         a.out[h * d + i] = num / den;
     }
+    trace_block(a.trace, a.launch);
 }
 
 // The largest of `n` logits (NaN skipped, as f32::max does), for every thread of the block.
