@@ -403,10 +403,20 @@ __device__ __forceinline__ int q4k_order(int v) {
 // Q6_K: 210-byte blocks of 256 values: 128 bytes of low nibbles (ql), 64 bytes of high bit pairs
 // (qh), 16 int8 scales, f16 d. Sixteen lanes per block (16 values each), 2 blocks per step,
 // 4 steps per round. Blocks are only 2-byte aligned, so loads are 16-bit.
+//
+// No integer-to-float conversion (a quarter-rate instruction; with one a value the LM head of a
+// 7B Q4_K_M model was bound by it, not by memory): each lane's four words of 6-bit values are
+// assembled four values at a time, and a `prmt` puts one value's byte under the exponent of
+// 2^23 (`byte_float`), as `nibble` does for Q4_K. The int8 scales go the same way, offset by 128.
+__device__ __forceinline__ float byte_float(uint32_t w, int c, float bias) {
+    return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440u | c)) - bias;  // (2^23 + byte c) - bias
+}
+
 __device__ float dot_q6_k(const uint8_t* r, int cols, const float* xs) {
     int lane = threadIdx.x & 31;
     int nb = cols >> 8;
     int s = lane & 15, n = s >> 3, l0 = (s & 7) * 4;
+    const float six_bit = 8388608.f + 32.f, scale_byte = 8388608.f + 128.f;
     float acc = 0.f;
     for (int b0 = 0; b0 < nb; b0 += 8) {
         uint32_t qa[4], qb[4], qh[4], scw[4];
@@ -433,22 +443,23 @@ __device__ float dot_q6_k(const uint8_t* r, int cols, const float* xs) {
             int b = b0 + 2 * k + (lane >> 4);
             if (b < nb) {
                 const float* xp = xs + b * 256 + 128 * n + l0;
-                float4 x0 = *reinterpret_cast<const float4*>(xp), x1 = *reinterpret_cast<const float4*>(xp + 32);
-                float4 x2 = *reinterpret_cast<const float4*>(xp + 64), x3 = *reinterpret_cast<const float4*>(xp + 96);
-                float xv[4][4] = {{x0.x, x0.y, x0.z, x0.w}, {x1.x, x1.y, x1.z, x1.w}, {x2.x, x2.y, x2.z, x2.w}, {x3.x, x3.y, x3.z, x3.w}};
-                float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int c = 0; c < 4; c++) {
-                    uint32_t a = (qa[k] >> (8 * c)) & 0xFF, cc = (qb[k] >> (8 * c)) & 0xFF, hb = (qh[k] >> (8 * c)) & 0xFF;
-                    part[0] += (float)((int)((a & 0xF) | ((hb & 3) << 4)) - 32) * xv[0][c];
-                    part[1] += (float)((int)((cc & 0xF) | (((hb >> 2) & 3) << 4)) - 32) * xv[1][c];
-                    part[2] += (float)((int)((a >> 4) | (((hb >> 4) & 3) << 4)) - 32) * xv[2][c];
-                    part[3] += (float)((int)((cc >> 4) | (((hb >> 6) & 3) << 4)) - 32) * xv[3][c];
-                }
+                const float4 xv[4] = {*reinterpret_cast<const float4*>(xp), *reinterpret_cast<const float4*>(xp + 32),
+                                      *reinterpret_cast<const float4*>(xp + 64), *reinterpret_cast<const float4*>(xp + 96)};
+                // Values l0 + c + {0, 32, 64, 96} of this half, stored + 32, four to a word.
+                uint32_t h = qh[k];
+                const uint32_t q[4] = {(qa[k] & 0x0F0F0F0Fu) | ((h << 4) & 0x30303030u), (qb[k] & 0x0F0F0F0Fu) | ((h << 2) & 0x30303030u),
+                                       ((qa[k] >> 4) & 0x0F0F0F0Fu) | (h & 0x30303030u), ((qb[k] >> 4) & 0x0F0F0F0Fu) | ((h >> 2) & 0x30303030u)};
                 float sum = 0.f;
+                uint32_t sc = scw[k] ^ 0x80808080u;  // int8 + 128, as unsigned bytes
 #pragma unroll
-                for (int c = 0; c < 4; c++) sum += (float)(int8_t)(scw[k] >> (8 * c)) * part[c];
-                acc += d[k] * sum;
+                for (int j = 0; j < 4; j++) {
+                    float part = byte_float(q[j], 0, six_bit) * xv[j].x;
+                    part = fmaf(byte_float(q[j], 1, six_bit), xv[j].y, part);
+                    part = fmaf(byte_float(q[j], 2, six_bit), xv[j].z, part);
+                    part = fmaf(byte_float(q[j], 3, six_bit), xv[j].w, part);
+                    sum = fmaf(byte_float(sc, j, scale_byte), part, sum);
+                }
+                acc = fmaf(d[k], sum, acc);
             }
         }
     }

@@ -50,6 +50,7 @@ int main(int argc, char** argv) {
         {"7B o", 0, 3584, 3584, MODE_ADD, 1},
         {"7B gate/up", 0, 18944, 3584, MODE_SILU, 2},
         {"7B down", 0, 3584, 18944, MODE_ADD, 1},
+        {"7B head", 0, 152064, 3584, MODE_STORE, 1},
         {"1.5B qkv", 0, 2048, 1536, MODE_STORE, 1},
         {"1.5B gate/up", 0, 8960, 1536, MODE_SILU, 2},
         {"1.5B down", 0, 1536, 8960, MODE_ADD, 1},
