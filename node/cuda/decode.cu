@@ -11,7 +11,10 @@
 // replayed for every sequence. On sm_90 and later
 // each kernel may start while the previous one finishes (programmatic dependent launch): it
 // fetches what depends on no earlier kernel (f16/bf16 warps load their first rows, other formats
-// pull theirs into L2), then waits before reading earlier results.
+// pull theirs into L2), then waits before reading earlier results. Where a kernel needs only part
+// of the previous one's output (attention its head's q/k/v, o and down a slice of their input),
+// it does not wait for that kernel's end: it reads each value once it carries the step's tag
+// (`load_tagged`).
 // Also here, at the end: sampling where the logits are (`sample_temperature` draws a token,
 // `sample_candidates` gathers top-k / top-p / min-p candidates for the host's cuts).
 // What this file does not do: prompts (t > 1 run through candle and cuBLAS), batches, the
@@ -59,6 +62,9 @@ struct MvArgs {
     int preload;         // 1: f16/bf16 rows: a warp loads its first rows before the wait (see `mv_rows`)
     int launch;          // this launch's place in the step (for the trace)
     unsigned long long* trace;  // `SHOAL_FUSED_TRACE`: block timeline records, or null
+    int tag_in;          // 1: x is tagged (see `load_tagged`): read each value as it arrives, no wait
+    int tag_out;         // 1: out gets tagged values (`store_tagged`)
+    const unsigned long long* tag;  // the step's tag, written before its first kernel
 };
 
 // Programmatic dependent launch (Hopper on): `allow_next_kernel` lets the next kernel's blocks
@@ -76,6 +82,85 @@ __device__ __forceinline__ void wait_for_previous_kernel() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+
+// ---- Tagged values: where a kernel needs only some of the previous kernel's outputs (down a
+// slice of gate/up's rows, attention its head's q/k/v, o a slice of the heads), the producer
+// stores each value as one 64-bit word with the step's tag in its high half, and the consumer
+// reads each value once it carries this step's tag instead of waiting for the producer's last
+// block. A 64-bit aligned access is single-copy atomic, so a value and its tag arrive together
+// and no fence or counter is needed. Buffers start zeroed and tags start at 1.
+__device__ __forceinline__ unsigned long long load_relaxed(const unsigned long long* p) {
+    unsigned long long v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void store_tagged(float* base, int i, float y, unsigned tag) {
+    unsigned long long v = ((unsigned long long)tag << 32) | __float_as_uint(y);
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(reinterpret_cast<unsigned long long*>(base) + i), "l"(v) : "memory");
+}
+
+// Between polls of a value not yet written. A producer that never writes it is a bug; after
+// 5 s the kernel traps (the step then fails with a CUDA error) rather than hang the node.
+__device__ __forceinline__ void poll_pause(unsigned long long* since) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (*since == 0) *since = t;
+    else if (t - *since > 5000000000ull) __trap();
+    __nanosleep(128);
+}
+
+// As `load_tagged` for one warp (a head of at most 256 values: eight loads a lane at once).
+__device__ void load_tagged_warp(const float* src, int n, unsigned tag, float* dst) {
+    const unsigned long long* s = reinterpret_cast<const unsigned long long*>(src);
+    int lane = threadIdx.x & 31;
+    unsigned long long since = 0, v[8];
+#pragma unroll
+    for (int u = 0; u < 8; u++) {
+        int j = lane + 32 * u;
+        v[u] = j < n ? load_relaxed(s + j) : (unsigned long long)tag << 32;
+    }
+#pragma unroll
+    for (int u = 0; u < 8; u++) {
+        int j = lane + 32 * u;
+        while ((unsigned)(v[u] >> 32) != tag) {
+            poll_pause(&since);
+            v[u] = load_relaxed(s + j);
+        }
+        if (j < n) dst[j] = __uint_as_float((unsigned)v[u]);
+    }
+}
+
+#define TAG_BATCH 4  // 8 spills registers in f16 launches that hold their preloaded rows meanwhile
+// dst[j] = value j of the tagged vector src, j in [0, n), the block's threads taking every
+// blockDim.x-th; TAG_BATCH loads go out together, then each is polled again until it is this step's.
+__device__ void load_tagged(const float* src, int n, unsigned tag, float* dst) {
+    const unsigned long long* s = reinterpret_cast<const unsigned long long*>(src);
+    unsigned long long since = 0;
+    // One thread polls the last value first (in the producers' row order, among the last to
+    // come), so that a block waiting for a whole slice does not send every thread's polls to L2
+    // beside the producer's weight reads.
+    if (threadIdx.x == 0)
+        while ((unsigned)(load_relaxed(s + n - 1) >> 32) != tag) poll_pause(&since);
+    __syncthreads();
+    for (int j0 = threadIdx.x; j0 < n; j0 += TAG_BATCH * blockDim.x) {
+        unsigned long long v[TAG_BATCH];
+#pragma unroll
+        for (int u = 0; u < TAG_BATCH; u++) {
+            int j = j0 + u * blockDim.x;
+            v[u] = j < n ? load_relaxed(s + j) : (unsigned long long)tag << 32;
+        }
+#pragma unroll
+        for (int u = 0; u < TAG_BATCH; u++) {
+            int j = j0 + u * blockDim.x;
+            while ((unsigned)(v[u] >> 32) != tag) {
+                poll_pause(&since);
+                v[u] = load_relaxed(s + j);
+            }
+            if (j < n) dst[j] = __uint_as_float((unsigned)v[u]);
+        }
+    }
 }
 
 // ---- `SHOAL_FUSED_TRACE` (a diagnostic): per block, when it started, passed its wait for the
@@ -536,6 +621,12 @@ __device__ __forceinline__ float gelu_tanh(float g) {
     return 0.5f * g * (1.f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
 }
 
+// Stores output row r (a stored launch's, not one added into the residual).
+__device__ __forceinline__ void store_out(const MvArgs& a, int r, float y) {
+    if (a.tag_out) store_tagged(a.out, r, y, (unsigned)*a.tag);
+    else a.out[r] = y;
+}
+
 // Stages one `mv` block's input (values [k0, k0 + kn), RMSNormed first when `norm_w` is set)
 // in shared memory, and for Q4_K rows also in `q4k_order` with the sums of each 16 values.
 //
@@ -555,9 +646,12 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
             prefetch_l2(row_at(sg.w, sg.fmt, lr, a.cols, k0), fmt_bytes(sg.fmt, kn), lane);
         }
     }
-    wait_for_previous_kernel();
+    if (!a.tag_in) wait_for_previous_kernel();
     trace_mark(a.trace, &trace_waited);
-    if (a.norm_w) {
+    if (a.tag_in) {
+        // (never with a norm: tagged inputs are gate/up's and attention's outputs)
+        load_tagged(a.x + 2 * k0, kn, (unsigned)*a.tag, xs);
+    } else if (a.norm_w) {
         // One round of loads: x over the whole row (the norm takes all of it, also for a
         // split-K slice) and beside it the norm weights of this block's slice; xs holds x·w
         // until the row's scale is known.
@@ -628,7 +722,7 @@ __device__ void mv_rows(const MvArgs& a) {
         if (lane == 0) {
             if (sg.bias && k0 == 0) y += sg.bias[lr];
             if (gridDim.y > 1 && a.partial) a.partial[(size_t)blockIdx.y * total + r] = y;
-            else if (a.mode != MODE_ADD) a.out[r] = y;
+            else if (a.mode != MODE_ADD) store_out(a, r, y);
             else if (gridDim.y == 1) a.out[r] += y;
             else atomicAdd(&a.out[r], y);  // split-K adds without scratch (never for stores)
         }
@@ -690,7 +784,7 @@ __device__ void mv_rows(const MvArgs& a) {
                 float sum = 0.f;
                 for (int s = 0; s < (int)gridDim.y; s++) sum += __ldcg(&a.partial[(size_t)s * total + r]);
                 if (a.mode == MODE_ADD) a.out[r] += sum;
-                else a.out[r] = sum;
+                else store_out(a, r, sum);
             }
             if (threadIdx.x == 0) a.arrivals[blockIdx.x] = 0;
         }
@@ -824,7 +918,7 @@ __device__ void q4k_gated_ring(const MvArgs& a, uint8_t* smem) {
         dot_q4_k_q8<2>(pair, cols, x8, dx, xsum, gu);
         if (lane == 0) {
             float gv = gu[0] + (a.seg[0].bias ? a.seg[0].bias[r] : 0.f), uv = gu[1] + (a.seg[1].bias ? a.seg[1].bias[r] : 0.f);
-            a.out[r] = (a.mode == MODE_SILU ? silu(gv) : gelu_tanh(gv)) * uv;
+            store_out(a, r, (a.mode == MODE_SILU ? silu(gv) : gelu_tanh(gv)) * uv);
         }
         __syncwarp();  // every lane has read the slot before it is refilled
     }
@@ -862,7 +956,7 @@ __device__ void mv_gated_rows(const MvArgs& a) {
         }
         if (lane == 0) {
             float g = gu[0] + (gs.bias ? gs.bias[r] : 0.f), u = gu[1] + (us.bias ? us.bias[r] : 0.f);
-            a.out[r] = (a.mode == MODE_SILU ? silu(g) : gelu_tanh(g)) * u;
+            store_out(a, r, (a.mode == MODE_SILU ? silu(g) : gelu_tanh(g)) * u);
         }
     };
     int r = first, stride = gridDim.x * warps;
@@ -935,6 +1029,8 @@ struct AttnArgs {
     float eps;
     int launch;            // as in MvArgs
     unsigned long long* trace;
+    int tagged;            // 1: qkv is tagged (read as it arrives, no wait) and so is out
+    const unsigned long long* tag;  // as in MvArgs
 };
 
 __device__ __forceinline__ void cache_store(void* c, int fmt, size_t i, float v) {
@@ -959,8 +1055,9 @@ __device__ __forceinline__ void cache_load8(const void* c, int fmt, size_t i, fl
     for (int e = 0; e < 4; e++) widen2(w[e], fmt, &v[2 * e], &v[2 * e + 1]);
 }
 
-// One warp: v = rope(norm(src)) for one head of `d` values, in shared memory.
-__device__ void warp_norm_rope(float* v, const float* src, const float* norm_w, float eps, const float* inv_freq, int pos, int d, int halves) {
+// One warp: v = rope(norm(src)) for one head of `d` values, in shared memory (src may be v);
+// `rope_cos` / `rope_sin` hold the position's rotation, d/2 values each.
+__device__ void warp_norm_rope(float* v, const float* src, const float* norm_w, float eps, const float* rope_cos, const float* rope_sin, int d, int halves) {
     int lane = threadIdx.x & 31;
     float ss = 0.f;
     for (int i = lane; i < d; i += 32) {
@@ -975,8 +1072,7 @@ __device__ void warp_norm_rope(float* v, const float* src, const float* norm_w, 
     __syncwarp();
     int half = d / 2;
     for (int i = lane; i < half; i += 32) {
-        float s, c;
-        sincosf((float)pos * inv_freq[i], &s, &c);
+        float s = rope_sin[i], c = rope_cos[i];
         int i0 = halves ? i : 2 * i, i1 = halves ? i + half : 2 * i + 1;
         float x0 = v[i0], x1 = v[i1];
         v[i0] = x0 * c - x1 * s;
@@ -1005,9 +1101,12 @@ __device__ __forceinline__ void softmax_merge(float& m, float& l, float* o, floa
 // share of the visible keys with an online softmax: lanes in groups of G (the power of two
 // >= d/8) take one key each, 8 values per lane, so a warp reads 32/G keys and their values per
 // step with 16-byte loads. The warps' states are merged at the end. The newest key comes from
-// shared memory (another block writes it to the cache).
+// shared memory (another block writes it to the cache). What depends on no earlier kernel is
+// done before waiting for q/k/v: the position's rotation, and the loads of each warp's first
+// ATTN_UNROLL steps of cached keys and values (a context of up to 128 keys for d = 128).
 extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
     __shared__ float q[ATTN_MAX_D], kn[ATTN_MAX_D], vn[ATTN_MAX_D];
+    __shared__ float rope_cos[ATTN_MAX_D / 2], rope_sin[ATTN_MAX_D / 2];
     __shared__ float part[ATTN_MAX_WARPS][ATTN_MAX_D];
     __shared__ float wmax[ATTN_MAX_WARPS], wsum[ATTN_MAX_WARPS];
     trace_mark(a.trace, &trace_started);
@@ -1030,16 +1129,46 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
             asm volatile("prefetch.global.L2 [%0];" ::"l"(vp + off));
         }
     }
-    wait_for_previous_kernel();
-    trace_mark(a.trace, &trace_waited);
+    for (int i = threadIdx.x; i < d / 2; i += blockDim.x) sincosf((float)pos * a.inv_freq[i], &rope_sin[i], &rope_cos[i]);
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const float* kin = a.qkv + a.heads * d + kvh * d;
-    const float* vin = a.qkv + a.heads * d + a.kv_heads * d + kvh * d;
+    int group = 1;
+    while (group * 8 < d) group <<= 1;
+    int per_step = 32 / group, grp = lane / group, col = (lane % group) * 8;
+    bool active = col < d;
+    int nkeys = pos + 1 - first, stride = warps * per_step;
+    // Cached keys and values of ATTN_UNROLL warp steps from `base` (zeros past the end and for
+    // this step's key, which the loop takes from shared memory).
+    float kv[ATTN_UNROLL][8], vv[ATTN_UNROLL][8];
+    auto load_steps = [&](int base) {
+#pragma unroll
+        for (int u = 0; u < ATTN_UNROLL; u++) {
+            int t = base + u * stride + grp, key = first + t;
+            if (active && t < nkeys && key != pos) {
+                cache_load8(cache.k, a.cache_fmt, head_base + (size_t)key * d + col, kv[u]);
+                cache_load8(cache.v, a.cache_fmt, head_base + (size_t)key * d + col, vv[u]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; e++) kv[u][e] = vv[u][e] = 0.f;
+            }
+        }
+    };
+    int base = warp * per_step;
+    load_steps(base);
+    __syncthreads();  // the rotation table
+    if (!a.tagged) wait_for_previous_kernel();
+    trace_mark(a.trace, &trace_waited);
+    int kin = a.heads * d + kvh * d, vin = a.heads * d + a.kv_heads * d + kvh * d;
+    if (a.tagged) {
+        unsigned tag = (unsigned)*a.tag;
+        for (int w = warp; w < 3; w += warps) load_tagged_warp(a.qkv + 2 * (w == 0 ? h * d : w == 1 ? kin : vin), d, tag, w == 0 ? q : w == 1 ? kn : vn);
+        __syncthreads();
+    }
     if (warp == 0) {
-        warp_norm_rope(q, a.qkv + h * d, a.q_norm, a.eps, a.inv_freq, pos, d, a.rope_halves);
+        warp_norm_rope(q, a.tagged ? q : a.qkv + h * d, a.q_norm, a.eps, rope_cos, rope_sin, d, a.rope_halves);
     } else if (warp == 1) {
-        warp_norm_rope(kn, kin, a.k_norm, a.eps, a.inv_freq, pos, d, a.rope_halves);
-        for (int i = lane; i < d; i += 32) vn[i] = vin[i];
+        warp_norm_rope(kn, a.tagged ? kn : a.qkv + kin, a.k_norm, a.eps, rope_cos, rope_sin, d, a.rope_halves);
+        if (!a.tagged)
+            for (int i = lane; i < d; i += 32) vn[i] = a.qkv[vin + i];
     }
     __syncthreads();
     trace_mark(a.trace, &trace_ready);
@@ -1049,30 +1178,20 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
             cache_store(cache.v, a.cache_fmt, head_base + (size_t)pos * d + i, vn[i]);
         }
     }
-    int group = 1;
-    while (group * 8 < d) group <<= 1;
-    int per_step = 32 / group, grp = lane / group, col = (lane % group) * 8;
-    bool active = col < d;
     float qr[8];
 #pragma unroll
     for (int e = 0; e < 8; e++) qr[e] = active ? q[col + e] : 0.f;
-    int nkeys = pos + 1 - first, stride = warps * per_step;
     float m = -INFINITY, l = 0.f, o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     // Warp-uniform trip count: every lane reaches the shuffles.
-    for (int base = warp * per_step; base < nkeys; base += ATTN_UNROLL * stride) {
-        float kv[ATTN_UNROLL][8], vv[ATTN_UNROLL][8];
+    for (; base < nkeys; base += ATTN_UNROLL * stride) {
+        if (base != warp * per_step) load_steps(base);  // the first steps are loaded
 #pragma unroll
         for (int u = 0; u < ATTN_UNROLL; u++) {
-            int t = base + u * stride + grp, key = first + t;
-            if (active && t < nkeys && key != pos) {
-                cache_load8(cache.k, a.cache_fmt, head_base + (size_t)key * d + col, kv[u]);
-                cache_load8(cache.v, a.cache_fmt, head_base + (size_t)key * d + col, vv[u]);
-            } else {
+            if (active && first + base + u * stride + grp == pos) {
 #pragma unroll
                 for (int e = 0; e < 8; e++) {
-                    bool newest = active && t < nkeys;
-                    kv[u][e] = newest ? kn[col + e] : 0.f;
-                    vv[u][e] = newest ? vn[col + e] : 0.f;
+                    kv[u][e] = kn[col + e];
+                    vv[u][e] = vn[col + e];
                 }
             }
         }
@@ -1118,7 +1237,8 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
             num += part[w][i] * c;
             den += wsum[w] * c;
         }
-        a.out[h * d + i] = num / den;
+        if (a.tagged) store_tagged(a.out, h * d + i, num / den, (unsigned)*a.tag);
+        else a.out[h * d + i] = num / den;
     }
     trace_block(a.trace, a.launch);
 }

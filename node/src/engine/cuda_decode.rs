@@ -82,6 +82,9 @@ struct MvArgs {
     preload: i32,
     launch: i32,
     trace: u64,
+    tag_in: i32,
+    tag_out: i32,
+    tag: u64,
 }
 
 /// `AttnArgs` in decode.cu.
@@ -106,6 +109,8 @@ struct AttnArgs {
     eps: f32,
     launch: i32,
     trace: u64,
+    tagged: i32,
+    tag: u64,
 }
 
 /// One kernel launch of the step (attention finds its KV cache through `Buffers::step`).
@@ -123,8 +128,11 @@ struct Buffers {
     /// The residual stream (hidden f32).
     x: Tensor,
     /// What a step reads from the host: the position, then per layer the key and value cache
-    /// addresses and their capacity (`KvSlot` in decode.cu), written before the step's kernels.
+    /// addresses and their capacity (`KvSlot` in decode.cu), then the step's tag (see `tags`),
+    /// written before the step's kernels.
     step: CudaSlice<u64>,
+    /// The latest step's tag: steps taken, from 1 (tagged buffers start zeroed).
+    tag: u32,
     logits: Option<Tensor>,
     /// The captured step, replayed for every sequence.
     graph: Option<Captured>,
@@ -556,8 +564,21 @@ impl FusedDecode {
         let mut p = Planner { device, keep: Vec::new(), max_smem: 0, smem_limit: optin };
         let x_t = Tensor::zeros(hidden, DType::F32, device)?;
         let x = tensor_ptr(&x_t)?;
-        let step = stream.alloc_zeros::<u64>(1 + 3 * layers.len()).map_err(driver)?;
+        let step = stream.alloc_zeros::<u64>(2 + 3 * layers.len()).map_err(driver)?;
         let step_ptr = step.device_ptr(&stream).0;
+        // q/k/v, attention's and gate/up's outputs are tagged (`load_tagged` in decode.cu): the
+        // next kernel reads each value as it is written instead of waiting for the last block.
+        // `SHOAL_FUSED_TAGS=0` makes every kernel wait for the whole previous one.
+        let tag = step_ptr + 8 * (1 + 3 * layers.len() as u64);
+        let tags = tuned("TAGS", 1) != 0;
+        let tagged = |mut l: Launch, tag_in: bool, tag_out: bool| {
+            if let Launch::Mv { args, .. } = &mut l {
+                if tags {
+                    (args.tag_in, args.tag_out, args.tag) = (i32::from(tag_in), i32::from(tag_out), tag);
+                }
+            }
+            l
+        };
         let cache_fmt = dense_fmt(dtype)?;
         let mut launches = Vec::new();
         let mut kv = Vec::new();
@@ -571,9 +592,10 @@ impl FusedDecode {
             if d % 8 != 0 || d > 256 {
                 return Err(unsupported(format!("head dim {d} (the attention kernel takes multiples of 8 up to 256)")));
             }
-            let qkv = p.scratch((a.num_heads + 2 * a.num_kv_heads) * d)?;
-            let attn_out = p.scratch(a.num_heads * d)?;
-            launches.push(p.mv(&[&a.q, &a.k, &a.v], x, Some(&layer.attn_norm), MODE_STORE, qkv)?);
+            // Tagged buffers hold a 64-bit word a value.
+            let qkv = p.scratch(2 * (a.num_heads + 2 * a.num_kv_heads) * d)?;
+            let attn_out = p.scratch(2 * a.num_heads * d)?;
+            launches.push(tagged(p.mv(&[&a.q, &a.k, &a.v], x, Some(&layer.attn_norm), MODE_STORE, qkv)?, false, true));
             let inv_freq = Tensor::new(layer.rope.inv_freq(d), device)?;
             let inv_freq_ptr = tensor_ptr(&inv_freq)?;
             p.keep.push(inv_freq);
@@ -596,19 +618,25 @@ impl FusedDecode {
                 scale: a.scale as f32,
                 softcap: a.softcap.unwrap_or(0.0) as f32,
                 eps: a.q_norm.as_ref().map_or(layer.attn_norm.eps, |n| n.eps),
+                tagged: i32::from(tags),
+                tag,
                 ..AttnArgs::default()
             };
             launches.push(Launch::Attend { args });
             kv.push((a.num_kv_heads, d, dtype));
-            launches.extend(p.residual(&a.o, attn_out, layer.post_attn_norm.as_ref(), x, h, hidden)?);
+            let mut o = p.residual(&a.o, attn_out, layer.post_attn_norm.as_ref(), x, h, hidden)?;
+            o[0] = tagged(o[0], true, false);
+            launches.extend(o);
             let m = &layer.mlp;
-            let act = p.scratch(shape(&m.gate)?.0)?;
+            let act = p.scratch(2 * shape(&m.gate)?.0)?;
             let mode = match m.activation {
                 Activation::Silu => MODE_SILU,
                 Activation::GeluTanh => MODE_GELU_TANH,
             };
-            launches.push(p.mv(&[&m.gate, &m.up], x, Some(&layer.ffn_norm), mode, act)?);
-            launches.extend(p.residual(&m.down, act, layer.post_ffn_norm.as_ref(), x, h, hidden)?);
+            launches.push(tagged(p.mv(&[&m.gate, &m.up], x, Some(&layer.ffn_norm), mode, act)?, false, true));
+            let mut down = p.residual(&m.down, act, layer.post_ffn_norm.as_ref(), x, h, hidden)?;
+            down[0] = tagged(down[0], true, false);
+            launches.extend(down);
         }
         let mut logits = None;
         if let Some((norm, lm_head)) = head {
@@ -618,23 +646,31 @@ impl FusedDecode {
         }
         // Split-K launches store their partial sums (slices x rows) and the last block of each
         // column adds them up in slice order, so that a seeded run repeats exactly; the arrival
-        // counters reset themselves.
-        let split = launches.iter().filter_map(|l| match l {
-            Launch::Mv { args, rows, .. } if args.slice < args.cols => Some(((args.cols as u32).div_ceil(args.slice as u32) as usize * *rows as usize, *rows as usize)),
-            _ => None,
-        });
-        let (partial_len, most_rows) = split.fold((0, 0), |(p_len, r), (n, rows)| (p_len.max(n), r.max(rows)));
+        // counters reset themselves. A kernel reading tagged input may run beside the launches
+        // before it, so each kind of launch (q/k/v, o, down, head) has its own partial sums and
+        // each launch its own counters (one per block column, at most one per 8 rows).
         // `SHOAL_FUSED_ATOMIC_SPLIT=1`: add split-K partial sums atomically instead (about 5%
         // faster decode on an H100, but sums, and so seeded sampling, then vary between runs).
-        let atomic_split = atomic_split();
-        if partial_len > 0 && !atomic_split {
-            let partial = p.scratch(partial_len)?;
-            // Zeroed f32 are zeroed u32: one counter per block column (at most one per 8 rows).
-            let arrivals = p.scratch(most_rows.div_ceil(8))?;
-            for l in &mut launches {
-                if let Launch::Mv { args, .. } = l {
+        let kinds = launch_kinds(&launches, layers.len());
+        if !atomic_split() {
+            let mut partial_len = vec![0usize; KIND_NAMES.len()];
+            let mut arrivals_len = 0;
+            for (l, &kind) in launches.iter().zip(&kinds) {
+                if let Launch::Mv { args, rows, .. } = l {
                     if args.slice < args.cols {
-                        (args.partial, args.arrivals) = (partial, arrivals);
+                        partial_len[kind] = partial_len[kind].max((args.cols as usize).div_ceil(args.slice as usize) * *rows as usize);
+                        arrivals_len += (*rows as usize).div_ceil(8);
+                    }
+                }
+            }
+            let partial: Vec<u64> = partial_len.iter().map(|&n| if n > 0 { p.scratch(n) } else { Ok(0) }).collect::<Result<_>>()?;
+            // Zeroed f32 are zeroed u32.
+            let mut arrivals = if arrivals_len > 0 { p.scratch(arrivals_len)? } else { 0 };
+            for (l, &kind) in launches.iter_mut().zip(&kinds) {
+                if let Launch::Mv { args, rows, .. } = l {
+                    if args.slice < args.cols {
+                        (args.partial, args.arrivals) = (partial[kind], arrivals);
+                        arrivals += 4 * (*rows as u64).div_ceil(8);
                     }
                 }
             }
@@ -675,7 +711,6 @@ impl FusedDecode {
             }
             false => None,
         };
-        let kinds = launch_kinds(&launches, layers.len());
         Ok(FusedDecode {
             stream,
             mv,
@@ -691,7 +726,7 @@ impl FusedDecode {
             preload: tuned("PRELOAD", 1) != 0,
             kinds,
             overlap,
-            buffers: Mutex::new(Buffers { x: x_t, step, logits, graph: None, trace }),
+            buffers: Mutex::new(Buffers { x: x_t, step, tag: 0, logits, graph: None, trace }),
             _keep: p.keep,
             enabled: AtomicBool::new(enabled),
             use_graph: use_graph && profile.is_none(),
@@ -718,12 +753,15 @@ impl FusedDecode {
         let cu = self.stream.cu_stream();
         // SAFETY: both buffers are `hidden` f32 values on this device; the copy is in stream order.
         unsafe { candle_core::cuda_backend::cudarc::driver::result::memcpy_dtod_async(tensor_ptr(&b.x)?, tensor_ptr(&x)?, self.hidden * 4, cu) }.map_err(driver)?;
-        let mut step = Vec::with_capacity(1 + 3 * self.kv.len());
+        let mut step = Vec::with_capacity(2 + 3 * self.kv.len());
         step.push(pos as u64);
         for (lc, &(kv_heads, d, dtype)) in cache.layers.iter_mut().zip(&self.kv) {
             let (k, v) = lc.reserve(pos + 1, kv_heads, d, dtype, &device)?;
             step.extend([tensor_ptr(k)?, tensor_ptr(v)?, k.dim(2)? as u64]);
         }
+        // A tag no value of the last 2^32 - 1 steps carries (0 is the zeroed buffers').
+        b.tag = b.tag.checked_add(1).unwrap_or(1);
+        step.push(u64::from(b.tag));
         self.stream.memcpy_htod(&step, &mut b.step).map_err(driver)?;
         let trace = match &mut b.trace {
             Some((t, _)) => {
