@@ -889,21 +889,24 @@ __device__ void q4k_gated_ring(const MvArgs& a, uint8_t* smem) {
     // The normed input, f32, in the last slot (its first copies go out in the loop below);
     // `q4k` is 0 for this kernel's launches, and first = rows skips the L2 prefetch of rows.
     const float* xf = stage_input(a, 0, cols, true, rows, rows, reinterpret_cast<float*>(ring + (size_t)(STAGES - 1) * slot_bytes)).xs;
-    // int8 with one scale per 32 values, a warp per 32, and the sums of each 16 of the int8
-    // values times their scale: the mins' term must see the same inputs as the nibbles' (with
-    // exact sums, the rounding of the inputs no longer cancels between the two terms and the
-    // error grows with the nibbles' mean, as in llama.cpp's q8_1 blocks).
-    for (int t = warp; t < cols / 32; t += warps) {
-        float v = xf[32 * t + lane], amax = fabsf(v);
+    // int8 with one scale per 32 values, and the sums of each 16 of the int8 values times their
+    // scale: the mins' term must see the same inputs as the nibbles' (with exact sums, the
+    // rounding of the inputs no longer cancels between the two terms and the error grows with
+    // the nibbles' mean, as in llama.cpp's q8_1 blocks). A lane takes 4 values, so a warp
+    // quantizes 128 (four scales' worth) at a time.
+    for (int j = 128 * warp + 4 * lane; j < cols; j += 128 * warps) {
+        float4 v = *reinterpret_cast<const float4*>(xf + j);
+        float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-        float d = amax / 127.f;
-        int q = amax > 0.f ? __float2int_rn(v * (127.f / amax)) : 0;
-        x8[32 * t + lane] = (int8_t)q;
-#pragma unroll
-        for (int o = 8; o > 0; o >>= 1) q += __shfl_xor_sync(0xffffffffu, q, o);  // each 16 lanes' sum
-        if ((lane & 15) == 0) xsum[2 * t + (lane >> 4)] = d * (float)q;
-        if (lane == 0) dx[t] = d;
+        for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));  // the 8 lanes of a scale
+        float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int q0 = __float2int_rn(v.x * inv), q1 = __float2int_rn(v.y * inv), q2 = __float2int_rn(v.z * inv), q3 = __float2int_rn(v.w * inv);
+        *reinterpret_cast<char4*>(x8 + j) = make_char4((signed char)q0, (signed char)q1, (signed char)q2, (signed char)q3);
+        int sum = q0 + q1 + q2 + q3;
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);  // the 4 lanes of 16 values
+        if ((lane & 3) == 0) xsum[j / 16] = d * (float)sum;
+        if ((lane & 7) == 0) dx[j / 32] = d;
     }
     __syncthreads();
 
