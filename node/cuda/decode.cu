@@ -111,30 +111,39 @@ __device__ __forceinline__ void poll_pause(unsigned long long* since) {
     __nanosleep(128);
 }
 
-// As `load_tagged` for one warp (a head of at most 256 values: eight loads a lane at once).
+// Loads tagged values [at[u]] (n_u < 0: none) of `s` into v, then polls until every one carries
+// `tag`, reloading all that do not together (one round trip a poll, not one a value).
+template <int N>
+__device__ __forceinline__ void poll_tagged(const unsigned long long* s, const int* at, unsigned tag, unsigned long long* v, unsigned long long* since) {
+#pragma unroll
+    for (int u = 0; u < N; u++) v[u] = at[u] >= 0 ? load_relaxed(s + at[u]) : (unsigned long long)tag << 32;
+    for (;;) {
+        bool ready = true;
+#pragma unroll
+        for (int u = 0; u < N; u++) ready &= (unsigned)(v[u] >> 32) == tag;
+        if (ready) return;
+        poll_pause(since);
+#pragma unroll
+        for (int u = 0; u < N; u++)
+            if ((unsigned)(v[u] >> 32) != tag) v[u] = load_relaxed(s + at[u]);
+    }
+}
+
+// As `load_tagged` for one warp (a head of at most 256 values, eight a lane).
 __device__ void load_tagged_warp(const float* src, int n, unsigned tag, float* dst) {
-    const unsigned long long* s = reinterpret_cast<const unsigned long long*>(src);
-    int lane = threadIdx.x & 31;
+    int lane = threadIdx.x & 31, at[8];
     unsigned long long since = 0, v[8];
 #pragma unroll
-    for (int u = 0; u < 8; u++) {
-        int j = lane + 32 * u;
-        v[u] = j < n ? load_relaxed(s + j) : (unsigned long long)tag << 32;
-    }
+    for (int u = 0; u < 8; u++) at[u] = lane + 32 * u < n ? lane + 32 * u : -1;
+    poll_tagged<8>(reinterpret_cast<const unsigned long long*>(src), at, tag, v, &since);
 #pragma unroll
-    for (int u = 0; u < 8; u++) {
-        int j = lane + 32 * u;
-        while ((unsigned)(v[u] >> 32) != tag) {
-            poll_pause(&since);
-            v[u] = load_relaxed(s + j);
-        }
-        if (j < n) dst[j] = __uint_as_float((unsigned)v[u]);
-    }
+    for (int u = 0; u < 8; u++)
+        if (at[u] >= 0) dst[at[u]] = __uint_as_float((unsigned)v[u]);
 }
 
 #define TAG_BATCH 4  // 8 spills registers in f16 launches that hold their preloaded rows meanwhile
 // dst[j] = value j of the tagged vector src, j in [0, n), the block's threads taking every
-// blockDim.x-th; TAG_BATCH loads go out together, then each is polled again until it is this step's.
+// blockDim.x-th, TAG_BATCH at once.
 __device__ void load_tagged(const float* src, int n, unsigned tag, float* dst) {
     const unsigned long long* s = reinterpret_cast<const unsigned long long*>(src);
     unsigned long long since = 0;
@@ -145,21 +154,14 @@ __device__ void load_tagged(const float* src, int n, unsigned tag, float* dst) {
         while ((unsigned)(load_relaxed(s + n - 1) >> 32) != tag) poll_pause(&since);
     __syncthreads();
     for (int j0 = threadIdx.x; j0 < n; j0 += TAG_BATCH * blockDim.x) {
+        int at[TAG_BATCH];
         unsigned long long v[TAG_BATCH];
 #pragma unroll
-        for (int u = 0; u < TAG_BATCH; u++) {
-            int j = j0 + u * blockDim.x;
-            v[u] = j < n ? load_relaxed(s + j) : (unsigned long long)tag << 32;
-        }
+        for (int u = 0; u < TAG_BATCH; u++) at[u] = j0 + u * blockDim.x < n ? j0 + u * (int)blockDim.x : -1;
+        poll_tagged<TAG_BATCH>(s, at, tag, v, &since);
 #pragma unroll
-        for (int u = 0; u < TAG_BATCH; u++) {
-            int j = j0 + u * blockDim.x;
-            while ((unsigned)(v[u] >> 32) != tag) {
-                poll_pause(&since);
-                v[u] = load_relaxed(s + j);
-            }
-            if (j < n) dst[j] = __uint_as_float((unsigned)v[u]);
-        }
+        for (int u = 0; u < TAG_BATCH; u++)
+            if (at[u] >= 0) dst[at[u]] = __uint_as_float((unsigned)v[u]);
     }
 }
 
@@ -655,13 +657,19 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
         // One round of loads: x over the whole row (the norm takes all of it, also for a
         // split-K slice) and beside it the norm weights of this block's slice; xs holds x·w
         // until the row's scale is known.
+        // Four values a load (rows are whole 4-value blocks; k0 and kn are multiples of 256).
         float ss = 0.f;
-#pragma unroll 8
-        for (int j = threadIdx.x; j < a.cols; j += blockDim.x) {
-            float v = a.x[j];
-            ss += v * v;
-            unsigned i = (unsigned)(j - k0);
-            if (i < (unsigned)kn) xs[i] = v * a.norm_w[j];
+        const float4* x4 = reinterpret_cast<const float4*>(a.x);
+        const float4* w4 = reinterpret_cast<const float4*>(a.norm_w);
+#pragma unroll 4
+        for (int j = threadIdx.x; j < a.cols / 4; j += blockDim.x) {
+            float4 v = x4[j];
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            unsigned i = (unsigned)(4 * j - k0);
+            if (i < (unsigned)kn) {
+                float4 w = w4[j];
+                *reinterpret_cast<float4*>(xs + i) = make_float4(v.x * w.x, v.y * w.y, v.z * w.z, v.w * w.w);
+            }
         }
         ss = block_sum(ss, scratch);  // its barriers also publish xs
         float rinv = rsqrtf(ss / (float)a.cols + a.eps);
