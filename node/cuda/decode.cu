@@ -701,7 +701,8 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
 // block of a column to finish adds them (to the output, or as it) in slice order, so that every
 // run sums in the same order (atomic adds would not, and a seeded sampler would then draw
 // differently from run to run).
-template <int F>
+// Q4_PAIRS (`mv_q4_k_pairs`, an instance of its own for its registers): Q4_K rows two a warp.
+template <int F, bool Q4_PAIRS = false>
 __device__ void mv_rows(const MvArgs& a) {
     extern __shared__ float4 xs4[];  // float4: 16-byte aligned for the vector loads
     int k0 = blockIdx.y * a.slice, kn = min(a.slice, a.cols - k0);
@@ -768,6 +769,19 @@ __device__ void mv_rows(const MvArgs& a) {
             r += stride;
         }
         for (; r < total; r += stride) one(r, false);
+    } else if (Q4_PAIRS) {
+        // As f16 pairs: two rows' loads in one round, where a warp would take them one by one.
+        // (Every matrix has an even number of rows, so a pair never spans two.)
+        for (int r = 2 * first; r < total; r += 2 * gridDim.x * warps) {
+            int lr = r;
+            Seg sg = seg_of_row(a, &lr);
+            const uint8_t* row0 = row_at(sg.w, FMT_Q4_K, lr, a.cols, k0);
+            const uint8_t* rows[2] = {row0, row0 + fmt_bytes(FMT_Q4_K, a.cols)};
+            float y[2];
+            dot_q4_k<2>(rows, kn, in.xp, in.xsum, y);
+            put(r, sg, lr, y[0]);
+            put(r + 1, sg, lr + 1, y[1]);
+        }
     } else {
         for (int r = first; r < total; r += gridDim.x * warps) {
             int lr = r;
@@ -991,6 +1005,7 @@ MV_KERNELS(bf16, FMT_BF16)
 MV_KERNELS(q8_0, FMT_Q8_0)
 MV_KERNELS(q4_k, FMT_Q4_K)
 MV_KERNELS(q6_k, FMT_Q6_K)
+extern "C" __global__ void __launch_bounds__(256, 4) mv_q4_k_pairs(MvArgs a) { mv_rows<FMT_Q4_K, true>(a); }
 
 // Gated Q4_K rows through each warp's ring (`q4k_gated_ring`), `stream` stages (2 or 3):
 // shared memory, not registers, bounds its blocks per SM.

@@ -248,6 +248,8 @@ pub struct FusedDecode {
     ring_blocks: u32,
     /// Whether f16/bf16 launches with more rows than warps take two rows a warp.
     mv_pairs: bool,
+    /// The same for Q4_K launches (`SHOAL_FUSED_Q4_PAIRS=0`: one row a warp at a time).
+    q4_pairs: bool,
     attend_threads: u32,
     /// f16/bf16 warps load their first rows before waiting for the previous kernel (H100s, eight
     /// alternating pairs: 7B f16 decode +0.2-1.9%, 1.5B +2.3-7.4%); `SHOAL_FUSED_PRELOAD=0` pulls
@@ -684,7 +686,12 @@ impl FusedDecode {
         let mut mv = HashMap::new();
         for l in &launches {
             if let Launch::Mv { kernel, .. } = *l {
-                if !mv.contains_key(kernel) {
+                // `mv_q4_k` launches may take `mv_q4_k_pairs` (decided at launch).
+                let names: &[&'static str] = if kernel == "mv_q4_k" { &["mv_q4_k", "mv_q4_k_pairs"] } else { &[kernel] };
+                for &kernel in names {
+                    if mv.contains_key(kernel) {
+                        continue;
+                    }
                     let f = load(kernel)?;
                     f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(driver)?;
                     mv.insert(kernel, f);
@@ -722,6 +729,7 @@ impl FusedDecode {
             mv_blocks,
             ring_blocks,
             mv_pairs,
+            q4_pairs: mv_pairs && tuned("Q4_PAIRS", 1) != 0,
             attend_threads,
             preload: tuned("PRELOAD", 1) != 0,
             kinds,
@@ -849,8 +857,13 @@ impl FusedDecode {
                     // `ring_blocks` (3 per SM measured fastest for the 7B, 2 and 4 slower).
                     let most = if kernel == "mv_gated_q4_k_ring" { self.ring_blocks } else { self.mv_blocks };
                     let cap = if most == 0 { u32::MAX } else { (most / slices).max(1) };
-                    // f16/bf16 rows beyond one per warp go two to a warp (`pairs` in decode.cu).
-                    args.pairs = i32::from(self.mv_pairs && matches!(kernel, "mv_f16" | "mv_bf16") && rows > cap.saturating_mul(warps));
+                    // f16/bf16 rows beyond one per warp go two to a warp (`pairs` in decode.cu), and
+                    // so do Q4_K rows (`mv_q4_k_pairs`) of matrices with even numbers of rows.
+                    let more_rows_than_warps = rows > cap.saturating_mul(warps);
+                    let even = args.seg[..args.nseg as usize].iter().all(|s| s.rows % 2 == 0);
+                    let q4_pairs = self.q4_pairs && kernel == "mv_q4_k" && more_rows_than_warps && even;
+                    args.pairs = i32::from(q4_pairs || (self.mv_pairs && matches!(kernel, "mv_f16" | "mv_bf16") && more_rows_than_warps));
+                    let kernel = if q4_pairs { "mv_q4_k_pairs" } else { kernel };
                     let blocks = rows.div_ceil(warps << args.pairs).clamp(1, cap);
                     let cfg = LaunchConfig { grid_dim: (blocks, slices, 1), block_dim: (MV_THREADS, 1, 1), shared_mem_bytes: mv_smem(&args) as u32 };
                     // SAFETY: `args` points at buffers kept alive by `self` (weights held by the
