@@ -111,7 +111,7 @@ __device__ __forceinline__ void poll_pause(unsigned long long* since) {
     __nanosleep(128);
 }
 
-// Loads tagged values [at[u]] (n_u < 0: none) of `s` into v, then polls until every one carries
+// Loads tagged values at[u] of `s` (at[u] < 0: none) into v, then polls until every one carries
 // `tag`, reloading all that do not together (one round trip a poll, not one a value).
 template <int N>
 __device__ __forceinline__ void poll_tagged(const unsigned long long* s, const int* at, unsigned tag, unsigned long long* v, unsigned long long* since) {
