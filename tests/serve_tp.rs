@@ -124,6 +124,8 @@ fn a_tensor_group_whose_only_common_transport_is_the_libp2p_stream_still_equals_
 
 #[test]
 fn a_pinned_hybrid_plan_of_two_groups_of_two_equals_the_in_process_split() {
+    // The nodes' plan, load and group events, in the failure message if it comes to that.
+    std::env::set_var("SHOAL_LOG", "warn,shoal::cluster=info,shoal::dataplane=info");
     let prompt = "The capital of France is";
     let want = split_of_two_greedy_text(prompt, 12);
 

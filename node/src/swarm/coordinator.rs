@@ -370,6 +370,9 @@ impl Coordinator {
         match result {
             Ok(()) => {
                 tracing::info!(target: "shoal::cluster", event = "stage_ready", %model, start = range.start, end = range.end);
+                if let Some((epoch, 0, members)) = &key.group {
+                    self.hop.order.leader_ready(&model, &tp_group::group_id(epoch, members));
+                }
                 *state = StageState::Ready;
             }
             Err(e) => {

@@ -88,7 +88,7 @@ pub async fn serve_forward(hop: &HopContext, f: v1::ForwardRequest) -> v1::Forwa
         return forward_error(id, error(ErrorCode::NotServing, format!("this node holds no stage of {}", f.model)));
     };
     let stage = &placement.stages[index];
-    let group = (stage.tp_size() > 1).then(|| format!("{}/{}/{}", plan.epoch.round, plan.epoch.leader, stage.members().cloned().collect::<Vec<_>>().join(",")));
+    let group = (stage.tp_size() > 1).then(|| super::tp_group::group_id(&plan.epoch, stage.members()));
     if f.group_seq != 0 && (rank == 0 || group.is_none()) {
         return forward_error(id, error(ErrorCode::BadRequest, "a numbered group step sent to a node that is no group follower"));
     }
@@ -109,7 +109,9 @@ pub async fn serve_forward(hop: &HopContext, f: v1::ForwardRequest) -> v1::Forwa
     match &group {
         None => hop.stages.step(f.model.clone(), step, reply),
         Some(g) if rank == 0 => {
-            let seq = hop.order.lead(&f.model, g, || hop.stages.step(f.model.clone(), step, reply));
+            let Some(seq) = hop.order.lead(&f.model, g, || hop.stages.step(f.model.clone(), step, reply)) else {
+                return forward_error(id, error(ErrorCode::NotServing, format!("the tensor group of {} is still loading", f.model)));
+            };
             for node in stage.group.iter() {
                 let (hop, node, numbered) = (hop.clone(), node.clone(), v1::ForwardRequest { group_seq: seq, ..f.clone() });
                 followers.push((node.clone(), tokio::spawn(async move { send_remote(&hop, &node, numbered).await })));

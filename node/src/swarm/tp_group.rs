@@ -9,7 +9,10 @@
 //! goes out, so no frame arrives before its route. Blocking set-up (mapping, connecting, accepting)
 //! runs on the blocking pool. Also the order of a group's steps: the leader numbers them and
 //! every follower submits them to its stage thread in that order (`GroupOrder`), so every
-//! member's all-reduces meet in the same sequence.
+//! member's all-reduces meet in the same sequence. The leader numbers none until its own slice
+//! has loaded (and with it, through the load's barrier, every member's): a step numbered while
+//! the group still formed would fail at the leader but wait in a follower's queue, and there
+//! hold an all-reduce that no partner ever joins.
 //! It does not run layers (the stage thread does) nor decide who is in a group (placement does).
 
 use std::collections::{BTreeMap, HashMap};
@@ -247,21 +250,29 @@ async fn invite(hop: &HopContext, key: PairKey, peer: &str, until: tokio::time::
     Ok(links)
 }
 
-/// The order of one group's steps. The leader numbers steps (`lead`); a follower runs step n
-/// only after steps 1..n (`follow`). A step that waits past its deadline for a missing
-/// predecessor fails; the counters restart with each new group.
+/// Names one group of one plan (its epoch and members in rank order), as `GroupOrder` keys it.
+pub fn group_id<'a>(epoch: &Epoch, members: impl IntoIterator<Item = &'a String>) -> String {
+    let members: Vec<&str> = members.into_iter().map(String::as_str).collect();
+    format!("{}/{}/{}", epoch.round, epoch.leader, members.join(","))
+}
+
+/// The order of one group's steps. The leader numbers steps (`lead`) once its slice is loaded
+/// (`leader_ready`); a follower runs step n only after steps 1..n (`follow`). A step that waits
+/// past its deadline for a missing predecessor fails; the counters restart with each new group.
 #[derive(Clone, Default)]
 pub struct GroupOrder {
     inner: Arc<Mutex<HashMap<String, OrderState>>>,
 }
 
 struct OrderState {
-    /// Identifies the group (members and epoch); a different one restarts the counters.
+    /// Identifies the group (`group_id`); a different one restarts the counters.
     group: String,
     /// The leader's last number given / the follower's next number to run.
     next: u64,
     /// Followers' steps that arrived ahead of their turn, with what submits them.
     waiting: BTreeMap<u64, Box<dyn FnOnce() + Send>>,
+    /// The leader's slice of `group` has loaded: steps may be numbered.
+    leader_ready: bool,
 }
 
 impl GroupOrder {
@@ -269,26 +280,29 @@ impl GroupOrder {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The leader's slice of `group` has loaded (the coordinator says so): numbering starts.
+    pub fn leader_ready(&self, model: &str, group: &str) {
+        self.lock().insert(model.to_string(), OrderState { group: group.to_string(), next: 0, waiting: BTreeMap::new(), leader_ready: true });
+    }
+
     /// The leader: numbers the step and runs `submit` under the lock, so the stage thread
-    /// receives steps in number order.
-    pub fn lead(&self, model: &str, group: &str, submit: impl FnOnce()) -> u64 {
+    /// receives steps in number order. `None` (and `submit` not run) while this node's slice of
+    /// `group` has not loaded.
+    pub fn lead(&self, model: &str, group: &str, submit: impl FnOnce()) -> Option<u64> {
         let mut all = self.lock();
-        let st = all.entry(model.to_string()).or_insert_with(|| OrderState { group: group.to_string(), next: 0, waiting: BTreeMap::new() });
-        if st.group != group {
-            *st = OrderState { group: group.to_string(), next: 0, waiting: BTreeMap::new() };
-        }
+        let st = all.get_mut(model).filter(|st| st.group == group && st.leader_ready)?;
         st.next += 1;
         submit();
-        st.next
+        Some(st.next)
     }
 
     /// A follower: runs `submit` when step `seq` is next (now, or once its predecessors ran).
     /// Returns false when `seq` is already past (a replay), without running it.
     pub fn follow(&self, model: &str, group: &str, seq: u64, submit: Box<dyn FnOnce() + Send>) -> bool {
         let mut all = self.lock();
-        let st = all.entry(model.to_string()).or_insert_with(|| OrderState { group: group.to_string(), next: 1, waiting: BTreeMap::new() });
+        let st = all.entry(model.to_string()).or_insert_with(|| OrderState { group: group.to_string(), next: 1, waiting: BTreeMap::new(), leader_ready: false });
         if st.group != group {
-            *st = OrderState { group: group.to_string(), next: 1, waiting: BTreeMap::new() };
+            *st = OrderState { group: group.to_string(), next: 1, waiting: BTreeMap::new(), leader_ready: false };
         }
         if seq < st.next {
             return false;
@@ -320,5 +334,50 @@ impl GroupOrder {
             run();
             st.next += 1;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    #[test]
+    fn the_leader_numbers_no_step_before_its_slice_has_loaded() {
+        let order = GroupOrder::default();
+        let submitted = Arc::new(AtomicUsize::new(0));
+        let submit = || {
+            let s = submitted.clone();
+            move || {
+                s.fetch_add(1, Ordering::SeqCst);
+            }
+        };
+        let epoch = Epoch { round: 3, leader: "a".into() };
+        let members = ["a".to_string(), "b".to_string()];
+        let group = group_id(&epoch, &members);
+        assert_eq!(order.lead("m", &group, submit()), None, "still loading: no number, nothing submitted");
+        order.leader_ready("m", &group);
+        assert_eq!(order.lead("m", &group, submit()), Some(1));
+        assert_eq!(order.lead("m", &group, submit()), Some(2));
+        let next_plan = group_id(&Epoch { round: 4, leader: "a".into() }, &members);
+        assert_eq!(order.lead("m", &next_plan, submit()), None, "a later plan's group waits for its own load");
+        assert_eq!(submitted.load(Ordering::SeqCst), 2);
+    }
+
+    #[test]
+    fn a_follower_runs_steps_in_the_leaders_order() {
+        let order = GroupOrder::default();
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        let step = |n: u64| {
+            let ran = ran.clone();
+            Box::new(move || ran.lock().unwrap().push(n)) as Box<dyn FnOnce() + Send>
+        };
+        assert!(order.follow("m", "g", 2, step(2)));
+        assert!(ran.lock().unwrap().is_empty(), "step 2 waits for step 1");
+        assert!(order.follow("m", "g", 1, step(1)));
+        assert!(!order.follow("m", "g", 1, step(1)), "a replayed number is refused");
+        assert!(order.follow("m", "g", 4, step(4)));
+        order.skip_to("m", "g", 4);
+        assert_eq!(*ran.lock().unwrap(), vec![1, 2, 4]);
     }
 }
