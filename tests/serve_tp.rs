@@ -52,6 +52,23 @@ fn complete(node: &Node, prompt: &str, n: usize) -> (u16, Value) {
     block_on(post(&node.url("/v1/completions"), &body))
 }
 
+/// `complete` on `entry` every 500 ms until it answers 200 (the swarm may still be placing and
+/// loading the model), failing with every node's log after `limit`.
+fn complete_once_placed(entry: &Node, others: &[&Node], prompt: &str, n: usize, limit: Duration) -> Value {
+    let started = Instant::now();
+    loop {
+        let (status, got) = complete(entry, prompt, n);
+        if status == 200 {
+            return got;
+        }
+        if started.elapsed() > limit {
+            let logs: Vec<String> = others.iter().map(|o| o.stderr()).collect();
+            panic!("no completion in {limit:?}: {got}\nentry:\n{}\nothers:\n{}", entry.stderr(), logs.join("\n---\n"));
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
 #[test]
 fn a_pinned_tensor_group_of_two_serve_processes_equals_the_in_process_split() {
     // nextest runs each test in its own process: the nodes inherit this and log their links.
@@ -66,16 +83,8 @@ fn a_pinned_tensor_group_of_two_serve_processes_equals_the_in_process_split() {
     assert!(err["error"]["message"].as_str().unwrap_or("").contains("at least 2 nodes"), "{err}");
 
     let b = Node::start(&["serve", "--strategy", "tensor", "--peer", &swarm_addr(&a)]);
-    let started = Instant::now();
-    let got = loop {
-        let (status, got) = complete(&a, prompt, 16);
-        if status == 200 {
-            break got;
-        }
-        // Until B has joined and the group has loaded, the plan may still be the old error.
-        assert!(started.elapsed() < Duration::from_secs(120), "no tensor-parallel completion: {got}\nA:\n{}\nB:\n{}", a.stderr(), b.stderr());
-        std::thread::sleep(Duration::from_millis(500));
-    };
+    // Until B has joined and the group has loaded, the plan may still be the old error.
+    let got = complete_once_placed(&a, &[&b], prompt, 16, Duration::from_secs(120));
     assert_eq!(got["choices"][0]["text"], want.as_str(), "a tensor group of two gives the in-process split's greedy text");
     assert_eq!(got["usage"]["completion_tokens"], 16);
 
@@ -105,15 +114,7 @@ fn a_tensor_group_whose_only_common_transport_is_the_libp2p_stream_still_equals_
 
     let a = Node::start(&["serve", "--strategy", "tensor", "--dataplane", "libp2p"]);
     let b = Node::start(&["serve", "--strategy", "tensor", "--dataplane", "libp2p", "--peer", &swarm_addr(&a)]);
-    let started = Instant::now();
-    let got = loop {
-        let (status, got) = complete(&a, prompt, 16);
-        if status == 200 {
-            break got;
-        }
-        assert!(started.elapsed() < Duration::from_secs(120), "no tensor-parallel completion: {got}\nA:\n{}\nB:\n{}", a.stderr(), b.stderr());
-        std::thread::sleep(Duration::from_millis(500));
-    };
+    let got = complete_once_placed(&a, &[&b], prompt, 16, Duration::from_secs(120));
     assert_eq!(got["choices"][0]["text"], want.as_str(), "frames over the control plane's stream give the in-process split's greedy text");
     for node in [&a, &b] {
         let log = node.stderr();
@@ -142,16 +143,7 @@ fn a_pinned_hybrid_plan_of_two_groups_of_two_equals_the_in_process_split() {
         peers.push(swarm_addr(&node));
         others.push(node);
     }
-    let started = Instant::now();
-    let got = loop {
-        let (status, got) = complete(&a, prompt, 12);
-        if status == 200 {
-            break got;
-        }
-        let logs: Vec<String> = others.iter().map(Node::stderr).collect();
-        assert!(started.elapsed() < Duration::from_secs(150), "no hybrid completion: {got}\nA:\n{}\nothers:\n{}", a.stderr(), logs.join("\n---\n"));
-        std::thread::sleep(Duration::from_millis(500));
-    };
+    let got = complete_once_placed(&a, &others.iter().collect::<Vec<_>>(), prompt, 12, Duration::from_secs(150));
     assert_eq!(got["choices"][0]["text"], want.as_str(), "two tensor groups chained as a pipeline give the in-process split's greedy text");
     let (_, cluster) = block_on(get(&a.url("/v1/cluster")));
     let plan = cluster["plans"].as_array().and_then(|p| p.iter().find(|p| p["model"] == GEMMA)).unwrap_or_else(|| panic!("no plan: {cluster}"));
