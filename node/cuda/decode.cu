@@ -499,6 +499,42 @@ __device__ __forceinline__ float byte_float(uint32_t w, int c, float bias) {
     return __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440u | c)) - bias;  // (2^23 + byte c) - bias
 }
 
+// One step of a lane's Q6_K loads: blocks b0 + 2k + lane / 16 for k < 4 (16 lanes a block,
+// 2 blocks a step), each lane's 16 values of a block as two words of low nibbles, one of high
+// bit pairs, its four scales and the block's d (zero past the row's end).
+struct Q6Step {
+    uint32_t qa[4], qb[4], qh[4], scw[4];
+    float d[4];
+};
+__device__ __forceinline__ void q6k_load(const uint8_t* r, int nb, int b0, Q6Step& st) {
+    int lane = threadIdx.x & 31, s = lane & 15, n = s >> 3, l0 = (s & 7) * 4;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        int b = b0 + 2 * k + (lane >> 4);
+        if (b < nb) {
+            const uint8_t* blk = r + (size_t)b * 210;
+            st.qa[k] = load_u16x2(blk + 64 * n + l0);
+            st.qb[k] = load_u16x2(blk + 64 * n + l0 + 32);
+            st.qh[k] = load_u16x2(blk + 128 + 32 * n + l0);
+            // Scales 8n + l0/16 + {0, 2, 4, 6}: bytes 0, 2, 4, 6 of these 8.
+            const uint8_t* sp = blk + 192 + 8 * n + l0 / 16;
+            st.scw[k] = (uint32_t)__ldg(sp) | ((uint32_t)__ldg(sp + 2) << 8) | ((uint32_t)__ldg(sp + 4) << 16) | ((uint32_t)__ldg(sp + 6) << 24);
+            st.d[k] = half_at(blk, 208);
+        } else {
+            st.qa[k] = st.qb[k] = st.qh[k] = st.scw[k] = 0;
+            st.d[k] = 0.f;
+        }
+    }
+}
+// Block k of a step: values l0 + c + {0, 32, 64, 96} of the lane's half, stored + 32, four to a word.
+__device__ __forceinline__ void q6k_words(const Q6Step& st, int k, uint32_t* q) {
+    uint32_t h = st.qh[k], qa = st.qa[k], qb = st.qb[k];
+    q[0] = (qa & 0x0F0F0F0Fu) | ((h << 4) & 0x30303030u);
+    q[1] = (qb & 0x0F0F0F0Fu) | ((h << 2) & 0x30303030u);
+    q[2] = ((qa >> 4) & 0x0F0F0F0Fu) | (h & 0x30303030u);
+    q[3] = ((qb >> 4) & 0x0F0F0F0Fu) | ((h >> 2) & 0x30303030u);
+}
+
 __device__ float dot_q6_k(const uint8_t* r, int cols, const float* xs) {
     int lane = threadIdx.x & 31;
     int nb = cols >> 8;
@@ -506,25 +542,8 @@ __device__ float dot_q6_k(const uint8_t* r, int cols, const float* xs) {
     const float six_bit = 8388608.f + 32.f, scale_byte = 8388608.f + 128.f;
     float acc = 0.f;
     for (int b0 = 0; b0 < nb; b0 += 8) {
-        uint32_t qa[4], qb[4], qh[4], scw[4];
-        float d[4];
-#pragma unroll
-        for (int k = 0; k < 4; k++) {
-            int b = b0 + 2 * k + (lane >> 4);
-            if (b < nb) {
-                const uint8_t* blk = r + (size_t)b * 210;
-                qa[k] = load_u16x2(blk + 64 * n + l0);
-                qb[k] = load_u16x2(blk + 64 * n + l0 + 32);
-                qh[k] = load_u16x2(blk + 128 + 32 * n + l0);
-                // Scales 8n + l0/16 + {0, 2, 4, 6}: bytes 0, 2, 4, 6 of these 8.
-                const uint8_t* sp = blk + 192 + 8 * n + l0 / 16;
-                scw[k] = (uint32_t)__ldg(sp) | ((uint32_t)__ldg(sp + 2) << 8) | ((uint32_t)__ldg(sp + 4) << 16) | ((uint32_t)__ldg(sp + 6) << 24);
-                d[k] = half_at(blk, 208);
-            } else {
-                qa[k] = qb[k] = qh[k] = scw[k] = 0;
-                d[k] = 0.f;
-            }
-        }
+        Q6Step st;
+        q6k_load(r, nb, b0, st);
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             int b = b0 + 2 * k + (lane >> 4);
@@ -532,12 +551,10 @@ __device__ float dot_q6_k(const uint8_t* r, int cols, const float* xs) {
                 const float* xp = xs + b * 256 + 128 * n + l0;
                 const float4 xv[4] = {*reinterpret_cast<const float4*>(xp), *reinterpret_cast<const float4*>(xp + 32),
                                       *reinterpret_cast<const float4*>(xp + 64), *reinterpret_cast<const float4*>(xp + 96)};
-                // Values l0 + c + {0, 32, 64, 96} of this half, stored + 32, four to a word.
-                uint32_t h = qh[k];
-                const uint32_t q[4] = {(qa[k] & 0x0F0F0F0Fu) | ((h << 4) & 0x30303030u), (qb[k] & 0x0F0F0F0Fu) | ((h << 2) & 0x30303030u),
-                                       ((qa[k] >> 4) & 0x0F0F0F0Fu) | (h & 0x30303030u), ((qb[k] >> 4) & 0x0F0F0F0Fu) | ((h >> 2) & 0x30303030u)};
+                uint32_t q[4];
+                q6k_words(st, k, q);
                 float sum = 0.f;
-                uint32_t sc = scw[k] ^ 0x80808080u;  // int8 + 128, as unsigned bytes
+                uint32_t sc = st.scw[k] ^ 0x80808080u;  // int8 + 128, as unsigned bytes
 #pragma unroll
                 for (int j = 0; j < 4; j++) {
                     float part = byte_float(q[j], 0, six_bit) * xv[j].x;
@@ -546,7 +563,44 @@ __device__ float dot_q6_k(const uint8_t* r, int cols, const float* xs) {
                     part = fmaf(byte_float(q[j], 3, six_bit), xv[j].w, part);
                     sum = fmaf(byte_float(sc, j, scale_byte), part, sum);
                 }
-                acc = fmaf(d[k], sum, acc);
+                acc = fmaf(st.d[k], sum, acc);
+            }
+        }
+    }
+    return warp_sum(acc);
+}
+
+// Q6_K row · int8 activations (`x8`, one scale `dx` per 32 values): lanes and loads as in
+// `dot_q6_k`; each lane's word of four 6-bit values meets four input bytes in one `dp4a`, and the
+// values' offset of 32 takes a second (the inputs' sum) where f32 inputs took a conversion and a
+// multiply-add a value (the f32 kernel was bound by instruction issue, not by memory).
+__device__ float dot_q6_k_q8(const uint8_t* r, int cols, const int8_t* x8, const float* dx) {
+    int lane = threadIdx.x & 31;
+    int nb = cols >> 8;
+    int s = lane & 15, n = s >> 3, l0 = (s & 7) * 4;
+    const float scale_byte = 8388608.f + 128.f;
+    float acc = 0.f;
+    for (int b0 = 0; b0 < nb; b0 += 8) {
+        Q6Step st;
+        q6k_load(r, nb, b0, st);
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            int b = b0 + 2 * k + (lane >> 4);
+            if (b < nb) {
+                const int8_t* xp = x8 + b * 256 + 128 * n + l0;
+                const float* dp = dx + b * 8 + 4 * n;
+                uint32_t q[4];
+                q6k_words(st, k, q);
+                float sum = 0.f;
+                uint32_t sc = st.scw[k] ^ 0x80808080u;  // int8 + 128, as unsigned bytes
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    int xw = *reinterpret_cast<const int*>(xp + 32 * j);
+                    int v = __dp4a((int)q[j], xw, 0) - 32 * __dp4a(0x01010101, xw, 0);  // |v| < 2^16
+                    float f = __int_as_float(v + 0x4B400000) - 12582912.f;            // exact for |v| < 2^22
+                    sum = fmaf(byte_float(sc, j, scale_byte) * dp[j], f, sum);
+                }
+                acc = fmaf(st.d[k], sum, acc);
             }
         }
     }
@@ -571,11 +625,14 @@ __device__ __forceinline__ const uint8_t* row_at(const void* w, int fmt, int row
 }
 
 // The staged input of one `mv` block: as loaded (and normed), and for Q4_K rows in
-// `q4k_order` with the sums of each 16 values.
+// `q4k_order` with the sums of each 16 values, or (`q4k` = 2) as int8 (`x8`, one scale `dx` per
+// 32 values) with the sums of each 16 int8 values times their scale (`xsum`).
 struct Staged {
     const float* xs;
     const float* xp;
     const float* xsum;
+    const int8_t* x8;
+    const float* dx;
 };
 
 // Row `row` of a matrix `cols` wide, values [k0, k0 + n), · the staged input. F: the format
@@ -627,6 +684,30 @@ __device__ __forceinline__ float gelu_tanh(float g) {
 __device__ __forceinline__ void store_out(const MvArgs& a, int r, float y) {
     if (a.tag_out) store_tagged(a.out, r, y, (unsigned)*a.tag);
     else a.out[r] = y;
+}
+
+// xf (n values, f32, a multiple of 128) as int8 with one scale per 32 values (`dx`), and the
+// sums of each 16 of the int8 values times their scale (`xsum`): the mins' term of Q4_K must see
+// the same inputs as the nibbles' (with exact sums, the rounding of the inputs no longer cancels
+// between the two terms and the error grows with the nibbles' mean, as in llama.cpp's q8_1
+// blocks). A lane takes 4 values, so a warp quantizes 128 (four scales' worth) at a time. The
+// caller synchronizes the block before reading the results.
+__device__ void quantize_q8(const float* xf, int n, int8_t* x8, float* dx, float* xsum) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int j = 128 * warp + 4 * lane; j < n; j += 128 * warps) {
+        float4 v = *reinterpret_cast<const float4*>(xf + j);
+        float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));  // the 8 lanes of a scale
+        float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int q0 = __float2int_rn(v.x * inv), q1 = __float2int_rn(v.y * inv), q2 = __float2int_rn(v.z * inv), q3 = __float2int_rn(v.w * inv);
+        *reinterpret_cast<char4*>(x8 + j) = make_char4((signed char)q0, (signed char)q1, (signed char)q2, (signed char)q3);
+        int sum = q0 + q1 + q2 + q3;
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);  // the 4 lanes of 16 values
+        if ((lane & 3) == 0) xsum[j / 16] = d * (float)sum;
+        if ((lane & 7) == 0) dx[j / 32] = d;
+    }
 }
 
 // Stages one `mv` block's input (values [k0, k0 + kn), RMSNormed first when `norm_w` is set)
@@ -681,7 +762,7 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
     __syncthreads();
     float* xp = xs + kn;
     float* xsum = xp + kn;
-    if (a.q4k) {
+    if (a.q4k == 1) {  // (2: the int8 instances quantize the input themselves, `stage_q8`)
         for (int j = threadIdx.x; j < kn; j += blockDim.x) xp[(j & ~255) + q4k_order(j & 255)] = xs[j];
         for (int t = threadIdx.x; t < kn / 16; t += blockDim.x) {
             float sum = 0.f;
@@ -692,7 +773,22 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
         __syncthreads();
     }
     trace_mark(a.trace, &trace_ready);
-    return Staged{xs, xp, xsum};
+    return Staged{xs, xp, xsum, nullptr, nullptr};
+}
+
+template <int R>
+__device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, const float* xsum, float* out);
+
+// The staged input of an int8 instance (`q4k` = 2): `in.xs` quantized into the space of the
+// reordered copy that f32 Q4_K instances use (kn + kn / 8 of its 4 kn bytes).
+__device__ __forceinline__ void stage_q8(Staged& in, int kn) {
+    float* xp = const_cast<float*>(in.xp);
+    int8_t* x8 = reinterpret_cast<int8_t*>(xp);
+    float* dx = reinterpret_cast<float*>(x8 + kn);
+    quantize_q8(in.xs, kn, x8, dx, const_cast<float*>(in.xsum));
+    __syncthreads();
+    in.x8 = x8;
+    in.dx = dx;
 }
 
 // out (=|+=) W · norm(x) over up to three stacked matrices, one warp per output row. Long rows
@@ -702,7 +798,7 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
 // run sums in the same order (atomic adds would not, and a seeded sampler would then draw
 // differently from run to run).
 // Q4_PAIRS (`mv_q4_k_pairs`, an instance of its own for its registers): Q4_K rows two a warp.
-template <int F, bool Q4_PAIRS = false>
+template <int F, bool Q4_PAIRS = false, bool Q8 = false>
 __device__ void mv_rows(const MvArgs& a) {
     extern __shared__ float4 xs4[];  // float4: 16-byte aligned for the vector loads
     int k0 = blockIdx.y * a.slice, kn = min(a.slice, a.cols - k0);
@@ -727,6 +823,7 @@ __device__ void mv_rows(const MvArgs& a) {
         preloaded = true;
     }
     Staged in = stage_input(a, k0, kn, false, preloaded ? total : first << a.pairs, total, reinterpret_cast<float*>(xs4));
+    if (Q8) stage_q8(in, kn);
     auto put = [&](int r, const Seg& sg, int lr, float y) {
         if (lane == 0) {
             if (sg.bias && k0 == 0) y += sg.bias[lr];
@@ -778,7 +875,8 @@ __device__ void mv_rows(const MvArgs& a) {
             const uint8_t* row0 = row_at(sg.w, FMT_Q4_K, lr, a.cols, k0);
             const uint8_t* rows[2] = {row0, row0 + fmt_bytes(FMT_Q4_K, a.cols)};
             float y[2];
-            dot_q4_k<2>(rows, kn, in.xp, in.xsum, y);
+            if (Q8) dot_q4_k_q8<2>(rows, kn, in.x8, in.dx, in.xsum, y);
+            else dot_q4_k<2>(rows, kn, in.xp, in.xsum, y);
             put(r, sg, lr, y[0]);
             put(r + 1, sg, lr + 1, y[1]);
         }
@@ -786,7 +884,16 @@ __device__ void mv_rows(const MvArgs& a) {
         for (int r = first; r < total; r += gridDim.x * warps) {
             int lr = r;
             Seg sg = seg_of_row(a, &lr);
-            put(r, sg, lr, dot_row<F>(sg.w, sg.fmt, lr, a.cols, k0, kn, in));
+            float y;
+            if (Q8 && F == FMT_Q4_K) {
+                const uint8_t* row = row_at(sg.w, FMT_Q4_K, lr, a.cols, k0);
+                dot_q4_k_q8<1>(&row, kn, in.x8, in.dx, in.xsum, &y);
+            } else if (Q8 && F == FMT_Q6_K) {
+                y = dot_q6_k_q8(row_at(sg.w, FMT_Q6_K, lr, a.cols, k0), kn, in.x8, in.dx);
+            } else {
+                y = dot_row<F>(sg.w, sg.fmt, lr, a.cols, k0, kn, in);
+            }
+            put(r, sg, lr, y);
         }
     }
     if (gridDim.y > 1 && a.partial) {
@@ -911,25 +1018,8 @@ __device__ void q4k_gated_ring(const MvArgs& a, uint8_t* smem) {
     // The normed input, f32, in the last slot (its first copies go out in the loop below);
     // `q4k` is 0 for this kernel's launches, and first = rows skips the L2 prefetch of rows.
     const float* xf = stage_input(a, 0, cols, true, rows, rows, reinterpret_cast<float*>(ring + (size_t)(STAGES - 1) * slot_bytes)).xs;
-    // int8 with one scale per 32 values, and the sums of each 16 of the int8 values times their
-    // scale: the mins' term must see the same inputs as the nibbles' (with exact sums, the
-    // rounding of the inputs no longer cancels between the two terms and the error grows with
-    // the nibbles' mean, as in llama.cpp's q8_1 blocks). A lane takes 4 values, so a warp
-    // quantizes 128 (four scales' worth) at a time.
-    for (int j = 128 * warp + 4 * lane; j < cols; j += 128 * warps) {
-        float4 v = *reinterpret_cast<const float4*>(xf + j);
-        float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-#pragma unroll
-        for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));  // the 8 lanes of a scale
-        float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        int q0 = __float2int_rn(v.x * inv), q1 = __float2int_rn(v.y * inv), q2 = __float2int_rn(v.z * inv), q3 = __float2int_rn(v.w * inv);
-        *reinterpret_cast<char4*>(x8 + j) = make_char4((signed char)q0, (signed char)q1, (signed char)q2, (signed char)q3);
-        int sum = q0 + q1 + q2 + q3;
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);  // the 4 lanes of 16 values
-        if ((lane & 3) == 0) xsum[j / 16] = d * (float)sum;
-        if ((lane & 7) == 0) dx[j / 32] = d;
-    }
+    // int8 with one scale per 32 values, and the sums of each 16 int8 values times their scale.
+    quantize_q8(xf, cols, x8, dx, xsum);
     __syncthreads();
 
     int i = 0;
@@ -1006,6 +1096,10 @@ MV_KERNELS(q8_0, FMT_Q8_0)
 MV_KERNELS(q4_k, FMT_Q4_K)
 MV_KERNELS(q6_k, FMT_Q6_K)
 extern "C" __global__ void __launch_bounds__(256, 4) mv_q4_k_pairs(MvArgs a) { mv_rows<FMT_Q4_K, true>(a); }
+// Q4_K rows with int8 activations (`q4k` = 2), one and two rows a warp; Q6_K rows the same way.
+extern "C" __global__ void __launch_bounds__(256, 4) mv_q4_k_q8(MvArgs a) { mv_rows<FMT_Q4_K, false, true>(a); }
+extern "C" __global__ void __launch_bounds__(256, 4) mv_q4_k_q8_pairs(MvArgs a) { mv_rows<FMT_Q4_K, true, true>(a); }
+extern "C" __global__ void __launch_bounds__(256, 4) mv_q6_k_q8(MvArgs a) { mv_rows<FMT_Q6_K, false, true>(a); }
 
 // Gated Q4_K rows through each warp's ring (`q4k_gated_ring`), `stream` stages (2 or 3):
 // shared memory, not registers, bounds its blocks per SM.

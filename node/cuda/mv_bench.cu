@@ -104,6 +104,10 @@ int main(int argc, char** argv) {
             int per_block = 8;  // rows, or gate/up pairs
             size_t smem = (size_t)slice * 4 + (fmt == FMT_Q4_K ? (size_t)slice * 4 + slice / 16 * 4 : 0);
             bool ring = stream && fmt == FMT_Q4_K && gated;
+            // MV_Q8=1: Q4_K and Q6_K rows of other launches with int8 activations (`mv_q4_k_q8`,
+            // `mv_q6_k_q8`).
+            bool q8 = getenv("MV_Q8") && atoi(getenv("MV_Q8")) && (fmt == FMT_Q4_K || fmt == FMT_Q6_K) && !gated;
+            if (q8) smem = (size_t)slice * 8 + slice / 16 * 4;  // as for f32 Q4_K: the int8 input takes the reordered copy's space
             if (ring) smem = q4k_ring_smem(c.cols, 8, stream);
             int slices = (c.cols + slice - 1) / slice;
             int cap = waves > 0 ? std::max(1, waves * sms / slices) : 1 << 30;  // as cuda_decode.rs
@@ -129,7 +133,8 @@ int main(int argc, char** argv) {
                 a.partial = partial; a.arrivals = arrivals;
                 a.stream = ring ? stream : 0;
                 if (ring) a.q4k = 0;  // the ring kernel stages its input its own way
-                auto kernel = ring ? mv_gated_q4_k_ring : kernels[fi][gated];
+                if (q8) a.q4k = 2;
+                auto kernel = ring ? mv_gated_q4_k_ring : q8 ? (fmt == FMT_Q4_K ? mv_q4_k_q8 : mv_q6_k_q8) : kernels[fi][gated];
                 if (!pdl) {
                     kernel<<<grid, 256, smem>>>(a);
                     return;
@@ -164,7 +169,7 @@ int main(int argc, char** argv) {
             CK(cudaMemcpy(ho.data(), out, rows_total * 4, cudaMemcpyDeviceToHost));
             double check = 0;
             for (int i = 0; i < rows_total; i++) check += ho[i] * (double)(i % 7 + 1);
-            printf("%-5s %-13s %7.1f us  %7.0f GB/s  (%.1f MB, grid %dx%d%s%s)  check %.6e\n", fmt_names[fi], c.name, us, per / us / 1e3, per / 1e6, grid.x, grid.y, pairs ? ", pairs" : "", ring ? ", ring" : "", check);
+            printf("%-5s %-13s %7.1f us  %7.0f GB/s  (%.1f MB, grid %dx%d%s%s)  check %.6e\n", fmt_names[fi], c.name, us, per / us / 1e3, per / 1e6, grid.x, grid.y, pairs ? ", pairs" : "", ring ? ", ring" : q8 ? ", int8" : "", check);
             cudaFree(partial); cudaFree(arrivals);
             }
             for (void* p : ws) cudaFree(p);

@@ -534,6 +534,13 @@ impl Planner<'_> {
         if kernel == "mv_gated_q4_k" && stages >= 2 && mv_smem(&ring) <= self.smem_limit {
             (args, kernel) = (ring, "mv_gated_q4_k_ring");
         }
+        // The other launches whose matrices are all Q4_K, or all Q6_K, take int8 activations too
+        // (`q4k` = 2: `dot_q4_k_q8`, `dot_q6_k_q8`): with f32 inputs those kernels were bound by
+        // instruction issue, not by memory. `SHOAL_FUSED_RING=0`, or `SHOAL_FUSED_Q4_INT8=0` /
+        // `SHOAL_FUSED_Q6_INT8=0` for one format, keep f32 activations.
+        if (kernel == "mv_q4_k" && tuned("Q4_INT8", 1) != 0 || kernel == "mv_q6_k" && tuned("Q6_INT8", 1) != 0) && stages >= 2 {
+            args.q4k = 2;
+        }
         self.max_smem = self.max_smem.max(mv_smem(&args));
         Ok(Launch::Mv { args, rows: rows as u32, kernel })
     }
@@ -686,8 +693,13 @@ impl FusedDecode {
         let mut mv = HashMap::new();
         for l in &launches {
             if let Launch::Mv { kernel, .. } = *l {
-                // `mv_q4_k` launches may take `mv_q4_k_pairs` (decided at launch).
-                let names: &[&'static str] = if kernel == "mv_q4_k" { &["mv_q4_k", "mv_q4_k_pairs"] } else { &[kernel] };
+                // `mv_q4_k` launches may take its pairs and int8 instances, `mv_q6_k` its int8 one
+                // (decided at launch).
+                let names: &[&'static str] = match kernel {
+                    "mv_q4_k" => &["mv_q4_k", "mv_q4_k_pairs", "mv_q4_k_q8", "mv_q4_k_q8_pairs"],
+                    "mv_q6_k" => &["mv_q6_k", "mv_q6_k_q8"],
+                    _ => &[kernel],
+                };
                 for &kernel in names {
                     if mv.contains_key(kernel) {
                         continue;
@@ -863,7 +875,13 @@ impl FusedDecode {
                     let even = args.seg[..args.nseg as usize].iter().all(|s| s.rows % 2 == 0);
                     let q4_pairs = self.q4_pairs && kernel == "mv_q4_k" && more_rows_than_warps && even;
                     args.pairs = i32::from(q4_pairs || (self.mv_pairs && matches!(kernel, "mv_f16" | "mv_bf16") && more_rows_than_warps));
-                    let kernel = if q4_pairs { "mv_q4_k_pairs" } else { kernel };
+                    let kernel = match (kernel, q4_pairs, args.q4k == 2) {
+                        ("mv_q4_k", true, true) => "mv_q4_k_q8_pairs",
+                        ("mv_q4_k", false, true) => "mv_q4_k_q8",
+                        ("mv_q4_k", true, false) => "mv_q4_k_pairs",
+                        ("mv_q6_k", _, true) => "mv_q6_k_q8",
+                        _ => kernel,
+                    };
                     let blocks = rows.div_ceil(warps << args.pairs).clamp(1, cap);
                     let cfg = LaunchConfig { grid_dim: (blocks, slices, 1), block_dim: (MV_THREADS, 1, 1), shared_mem_bytes: mv_smem(&args) as u32 };
                     // SAFETY: `args` points at buffers kept alive by `self` (weights held by the
