@@ -535,11 +535,12 @@ __device__ __forceinline__ void q6k_words(const Q6Step& st, int k, uint32_t* q) 
     q[3] = ((qb >> 4) & 0x0F0F0F0Fu) | ((h >> 2) & 0x30303030u);
 }
 
-__device__ float dot_q6_k(const uint8_t* r, int cols, const float* xs) {
-    int lane = threadIdx.x & 31;
-    int nb = cols >> 8;
-    int s = lane & 15, n = s >> 3, l0 = (s & 7) * 4;
-    const float six_bit = 8388608.f + 32.f, scale_byte = 8388608.f + 128.f;
+// A lane's walk over row r's Q6_K blocks: `block_sum(b, q, sc)` gives the lane's sum for block
+// b from its words of values (`q6k_words`) and the block's int8 scales + 128 as unsigned bytes;
+// it is scaled here by the block's d.
+template <typename BlockSum>
+__device__ __forceinline__ float q6k_dot(const uint8_t* r, int cols, BlockSum block_sum) {
+    int lane = threadIdx.x & 31, nb = cols >> 8;
     float acc = 0.f;
     for (int b0 = 0; b0 < nb; b0 += 8) {
         Q6Step st;
@@ -548,26 +549,33 @@ __device__ float dot_q6_k(const uint8_t* r, int cols, const float* xs) {
         for (int k = 0; k < 4; k++) {
             int b = b0 + 2 * k + (lane >> 4);
             if (b < nb) {
-                const float* xp = xs + b * 256 + 128 * n + l0;
-                const float4 xv[4] = {*reinterpret_cast<const float4*>(xp), *reinterpret_cast<const float4*>(xp + 32),
-                                      *reinterpret_cast<const float4*>(xp + 64), *reinterpret_cast<const float4*>(xp + 96)};
                 uint32_t q[4];
                 q6k_words(st, k, q);
-                float sum = 0.f;
-                uint32_t sc = st.scw[k] ^ 0x80808080u;  // int8 + 128, as unsigned bytes
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    float part = byte_float(q[j], 0, six_bit) * xv[j].x;
-                    part = fmaf(byte_float(q[j], 1, six_bit), xv[j].y, part);
-                    part = fmaf(byte_float(q[j], 2, six_bit), xv[j].z, part);
-                    part = fmaf(byte_float(q[j], 3, six_bit), xv[j].w, part);
-                    sum = fmaf(byte_float(sc, j, scale_byte), part, sum);
-                }
-                acc = fmaf(st.d[k], sum, acc);
+                acc = fmaf(st.d[k], block_sum(b, q, st.scw[k] ^ 0x80808080u), acc);
             }
         }
     }
     return warp_sum(acc);
+}
+
+__device__ float dot_q6_k(const uint8_t* r, int cols, const float* xs) {
+    int s = threadIdx.x & 15, n = s >> 3, l0 = (s & 7) * 4;
+    const float six_bit = 8388608.f + 32.f, scale_byte = 8388608.f + 128.f;
+    return q6k_dot(r, cols, [&](int b, const uint32_t* q, uint32_t sc) {
+        const float* xp = xs + b * 256 + 128 * n + l0;
+        const float4 xv[4] = {*reinterpret_cast<const float4*>(xp), *reinterpret_cast<const float4*>(xp + 32),
+                              *reinterpret_cast<const float4*>(xp + 64), *reinterpret_cast<const float4*>(xp + 96)};
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            float part = byte_float(q[j], 0, six_bit) * xv[j].x;
+            part = fmaf(byte_float(q[j], 1, six_bit), xv[j].y, part);
+            part = fmaf(byte_float(q[j], 2, six_bit), xv[j].z, part);
+            part = fmaf(byte_float(q[j], 3, six_bit), xv[j].w, part);
+            sum = fmaf(byte_float(sc, j, scale_byte), part, sum);
+        }
+        return sum;
+    });
 }
 
 // Q6_K row · int8 activations (`x8`, one scale `dx` per 32 values): lanes and loads as in
@@ -575,36 +583,21 @@ __device__ float dot_q6_k(const uint8_t* r, int cols, const float* xs) {
 // values' offset of 32 takes a second (the inputs' sum) where f32 inputs took a conversion and a
 // multiply-add a value (the f32 kernel was bound by instruction issue, not by memory).
 __device__ float dot_q6_k_q8(const uint8_t* r, int cols, const int8_t* x8, const float* dx) {
-    int lane = threadIdx.x & 31;
-    int nb = cols >> 8;
-    int s = lane & 15, n = s >> 3, l0 = (s & 7) * 4;
+    int s = threadIdx.x & 15, n = s >> 3, l0 = (s & 7) * 4;
     const float scale_byte = 8388608.f + 128.f;
-    float acc = 0.f;
-    for (int b0 = 0; b0 < nb; b0 += 8) {
-        Q6Step st;
-        q6k_load(r, nb, b0, st);
+    return q6k_dot(r, cols, [&](int b, const uint32_t* q, uint32_t sc) {
+        const int8_t* xp = x8 + b * 256 + 128 * n + l0;
+        const float* dp = dx + b * 8 + 4 * n;
+        float sum = 0.f;
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            int b = b0 + 2 * k + (lane >> 4);
-            if (b < nb) {
-                const int8_t* xp = x8 + b * 256 + 128 * n + l0;
-                const float* dp = dx + b * 8 + 4 * n;
-                uint32_t q[4];
-                q6k_words(st, k, q);
-                float sum = 0.f;
-                uint32_t sc = st.scw[k] ^ 0x80808080u;  // int8 + 128, as unsigned bytes
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    int xw = *reinterpret_cast<const int*>(xp + 32 * j);
-                    int v = __dp4a((int)q[j], xw, 0) - 32 * __dp4a(0x01010101, xw, 0);  // |v| < 2^16
-                    float f = __int_as_float(v + 0x4B400000) - 12582912.f;            // exact for |v| < 2^22
-                    sum = fmaf(byte_float(sc, j, scale_byte) * dp[j], f, sum);
-                }
-                acc = fmaf(st.d[k], sum, acc);
-            }
+        for (int j = 0; j < 4; j++) {
+            int xw = *reinterpret_cast<const int*>(xp + 32 * j);
+            int v = __dp4a((int)q[j], xw, 0) - 32 * __dp4a(0x01010101, xw, 0);  // |v| < 2^16
+            float f = __int_as_float(v + 0x4B400000) - 12582912.f;            // exact for |v| < 2^22
+            sum = fmaf(byte_float(sc, j, scale_byte) * dp[j], f, sum);
         }
-    }
-    return warp_sum(acc);
+        return sum;
+    });
 }
 
 // Bytes that `n` values of one row take in `fmt` (n a whole number of blocks).
