@@ -704,7 +704,8 @@ __device__ void quantize_q8(const float* xf, int n, int8_t* x8, float* dx, float
 }
 
 // Stages one `mv` block's input (values [k0, k0 + kn), RMSNormed first when `norm_w` is set)
-// in shared memory, and for Q4_K rows also in `q4k_order` with the sums of each 16 values.
+// in shared memory, and for the f32 Q4_K instances (`q4k` = 1) also in `q4k_order` with the sums
+// of each 16 values.
 //
 // Before it waits for the previous kernel, each warp pulls the start of its first rows, which
 // depend on nothing, into L2.
