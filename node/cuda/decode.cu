@@ -535,68 +535,92 @@ __device__ __forceinline__ void q6k_words(const Q6Step& st, int k, uint32_t* q) 
     q[3] = ((qb >> 4) & 0x0F0F0F0Fu) | ((h >> 2) & 0x30303030u);
 }
 
-// A lane's walk over row r's Q6_K blocks: `block_sum(b, q, sc)` gives the lane's sum for block
-// b from its words of values (`q6k_words`) and the block's int8 scales + 128 as unsigned bytes;
-// it is scaled here by the block's d.
-template <typename BlockSum>
-__device__ __forceinline__ float q6k_dot(const uint8_t* r, int cols, BlockSum block_sum) {
+// A lane's walk over R rows' Q6_K blocks, their loads in flight together: `block_sum(b, q, sc,
+// sums)` gives the lane's sum for block b of each row from its words of values (`q[rr]`,
+// `q6k_words`) and the block's int8 scales + 128 as unsigned bytes (`sc[rr]`); each is scaled
+// here by its block's d.
+template <int R, typename BlockSum>
+__device__ __forceinline__ void q6k_dot(const uint8_t* const* rows, int cols, float* out, BlockSum block_sum) {
     int lane = threadIdx.x & 31, nb = cols >> 8;
-    float acc = 0.f;
+    float acc[R];
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) acc[rr] = 0.f;
     for (int b0 = 0; b0 < nb; b0 += 8) {
-        Q6Step st;
-        q6k_load(r, nb, b0, st);
+        Q6Step st[R];
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) q6k_load(rows[rr], nb, b0, st[rr]);
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             int b = b0 + 2 * k + (lane >> 4);
             if (b < nb) {
-                uint32_t q[4];
-                q6k_words(st, k, q);
-                acc = fmaf(st.d[k], block_sum(b, q, st.scw[k] ^ 0x80808080u), acc);
+                uint32_t q[R][4], sc[R];
+                float sums[R];
+#pragma unroll
+                for (int rr = 0; rr < R; rr++) {
+                    q6k_words(st[rr], k, q[rr]);
+                    sc[rr] = st[rr].scw[k] ^ 0x80808080u;
+                }
+                block_sum(b, q, sc, sums);
+#pragma unroll
+                for (int rr = 0; rr < R; rr++) acc[rr] = fmaf(st[rr].d[k], sums[rr], acc[rr]);
             }
         }
     }
-    return warp_sum(acc);
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) out[rr] = warp_sum(acc[rr]);
 }
 
 __device__ float dot_q6_k(const uint8_t* r, int cols, const float* xs) {
     int s = threadIdx.x & 15, n = s >> 3, l0 = (s & 7) * 4;
     const float six_bit = 8388608.f + 32.f, scale_byte = 8388608.f + 128.f;
-    return q6k_dot(r, cols, [&](int b, const uint32_t* q, uint32_t sc) {
+    float y;
+    q6k_dot<1>(&r, cols, &y, [&](int b, const uint32_t (*q)[4], const uint32_t* sc, float* sums) {
         const float* xp = xs + b * 256 + 128 * n + l0;
         const float4 xv[4] = {*reinterpret_cast<const float4*>(xp), *reinterpret_cast<const float4*>(xp + 32),
                               *reinterpret_cast<const float4*>(xp + 64), *reinterpret_cast<const float4*>(xp + 96)};
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            float part = byte_float(q[j], 0, six_bit) * xv[j].x;
-            part = fmaf(byte_float(q[j], 1, six_bit), xv[j].y, part);
-            part = fmaf(byte_float(q[j], 2, six_bit), xv[j].z, part);
-            part = fmaf(byte_float(q[j], 3, six_bit), xv[j].w, part);
-            sum = fmaf(byte_float(sc, j, scale_byte), part, sum);
+            float part = byte_float(q[0][j], 0, six_bit) * xv[j].x;
+            part = fmaf(byte_float(q[0][j], 1, six_bit), xv[j].y, part);
+            part = fmaf(byte_float(q[0][j], 2, six_bit), xv[j].z, part);
+            part = fmaf(byte_float(q[0][j], 3, six_bit), xv[j].w, part);
+            sum = fmaf(byte_float(sc[0], j, scale_byte), part, sum);
         }
-        return sum;
+        sums[0] = sum;
     });
+    return y;
 }
 
-// Q6_K row · int8 activations (`x8`, one scale `dx` per 32 values): lanes and loads as in
+// R Q6_K rows · int8 activations (`x8`, one scale `dx` per 32 values): lanes and loads as in
 // `dot_q6_k`; each lane's word of four 6-bit values meets four input bytes in one `dp4a`, and the
-// values' offset of 32 takes a second (the inputs' sum) where f32 inputs took a conversion and a
-// multiply-add a value (the f32 kernel was bound by instruction issue, not by memory).
-__device__ float dot_q6_k_q8(const uint8_t* r, int cols, const int8_t* x8, const float* dx) {
+// values' offset of 32 takes a second (the inputs' sum, once for all R rows) where f32 inputs took
+// a conversion and a multiply-add a value (the f32 kernel was bound by instruction issue, not by
+// memory).
+template <int R>
+__device__ __forceinline__ void dot_q6_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, float* out) {
     int s = threadIdx.x & 15, n = s >> 3, l0 = (s & 7) * 4;
     const float scale_byte = 8388608.f + 128.f;
-    return q6k_dot(r, cols, [&](int b, const uint32_t* q, uint32_t sc) {
+    q6k_dot<R>(rows, cols, out, [&](int b, const uint32_t (*q)[4], const uint32_t* sc, float* sums) {
         const int8_t* xp = x8 + b * 256 + 128 * n + l0;
         const float* dp = dx + b * 8 + 4 * n;
-        float sum = 0.f;
+        int xw[4], offset[4];
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            int xw = *reinterpret_cast<const int*>(xp + 32 * j);
-            int v = __dp4a((int)q[j], xw, 0) - 32 * __dp4a(0x01010101, xw, 0);  // |v| < 2^16
-            float f = __int_as_float(v + 0x4B400000) - 12582912.f;            // exact for |v| < 2^22
-            sum = fmaf(byte_float(sc, j, scale_byte) * dp[j], f, sum);
+            xw[j] = *reinterpret_cast<const int*>(xp + 32 * j);
+            offset[j] = 32 * __dp4a(0x01010101, xw[j], 0);
         }
-        return sum;
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) {
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                int v = __dp4a((int)q[rr][j], xw[j], 0) - offset[j];  // |v| < 2^16
+                float f = __int_as_float(v + 0x4B400000) - 12582912.f;  // exact for |v| < 2^22
+                sum = fmaf(byte_float(sc[rr], j, scale_byte) * dp[j], f, sum);
+            }
+            sums[rr] = sum;
+        }
     });
 }
 
@@ -791,8 +815,9 @@ __device__ __forceinline__ void stage_q8(Staged& in, int kn) {
 // block of a column to finish adds them (to the output, or as it) in slice order, so that every
 // run sums in the same order (atomic adds would not, and a seeded sampler would then draw
 // differently from run to run).
-// Q4_PAIRS (`mv_q4_k_pairs`, an instance of its own for its registers): Q4_K rows two a warp.
-template <int F, bool Q4_PAIRS = false, bool Q8 = false>
+// PAIRS (instances of their own for their registers): Q4_K or Q6_K rows two a warp.
+// Q8: int8 activations (`q4k` = 2) for Q4_K and Q6_K rows (with FMT_ANY: matrices of both).
+template <int F, bool PAIRS = false, bool Q8 = false>
 __device__ void mv_rows(const MvArgs& a) {
     extern __shared__ float4 xs4[];  // float4: 16-byte aligned for the vector loads
     int k0 = blockIdx.y * a.slice, kn = min(a.slice, a.cols - k0);
@@ -860,16 +885,17 @@ __device__ void mv_rows(const MvArgs& a) {
             r += stride;
         }
         for (; r < total; r += stride) one(r, false);
-    } else if (Q4_PAIRS) {
+    } else if (PAIRS) {
         // As f16 pairs: two rows' loads in one round, where a warp would take them one by one.
         // (Every matrix has an even number of rows, so a pair never spans two.)
         for (int r = 2 * first; r < total; r += 2 * gridDim.x * warps) {
             int lr = r;
             Seg sg = seg_of_row(a, &lr);
-            const uint8_t* row0 = row_at(sg.w, FMT_Q4_K, lr, a.cols, k0);
-            const uint8_t* rows[2] = {row0, row0 + fmt_bytes(FMT_Q4_K, a.cols)};
+            const uint8_t* row0 = row_at(sg.w, F, lr, a.cols, k0);
+            const uint8_t* rows[2] = {row0, row0 + fmt_bytes(F, a.cols)};
             float y[2];
-            if (Q8) dot_q4_k_q8<2>(rows, kn, in.x8, in.dx, in.xsum, y);
+            if (F == FMT_Q6_K) dot_q6_k_q8<2>(rows, kn, in.x8, in.dx, y);
+            else if (Q8) dot_q4_k_q8<2>(rows, kn, in.x8, in.dx, in.xsum, y);
             else dot_q4_k<2>(rows, kn, in.xp, in.xsum, y);
             put(r, sg, lr, y[0]);
             put(r + 1, sg, lr + 1, y[1]);
@@ -879,11 +905,12 @@ __device__ void mv_rows(const MvArgs& a) {
             int lr = r;
             Seg sg = seg_of_row(a, &lr);
             float y;
-            if (Q8 && F == FMT_Q4_K) {
+            if (Q8 && (F == FMT_Q4_K || F == FMT_ANY && sg.fmt == FMT_Q4_K)) {
                 const uint8_t* row = row_at(sg.w, FMT_Q4_K, lr, a.cols, k0);
                 dot_q4_k_q8<1>(&row, kn, in.x8, in.dx, in.xsum, &y);
-            } else if (Q8 && F == FMT_Q6_K) {
-                y = dot_q6_k_q8(row_at(sg.w, FMT_Q6_K, lr, a.cols, k0), kn, in.x8, in.dx);
+            } else if (Q8) {
+                const uint8_t* row = row_at(sg.w, FMT_Q6_K, lr, a.cols, k0);
+                dot_q6_k_q8<1>(&row, kn, in.x8, in.dx, &y);
             } else {
                 y = dot_row<F>(sg.w, sg.fmt, lr, a.cols, k0, kn, in);
             }
@@ -1094,6 +1121,9 @@ extern "C" __global__ void __launch_bounds__(256, 4) mv_q4_k_pairs(MvArgs a) { m
 extern "C" __global__ void __launch_bounds__(256, 4) mv_q4_k_q8(MvArgs a) { mv_rows<FMT_Q4_K, false, true>(a); }
 extern "C" __global__ void __launch_bounds__(256, 4) mv_q4_k_q8_pairs(MvArgs a) { mv_rows<FMT_Q4_K, true, true>(a); }
 extern "C" __global__ void __launch_bounds__(256, 4) mv_q6_k_q8(MvArgs a) { mv_rows<FMT_Q6_K, false, true>(a); }
+extern "C" __global__ void __launch_bounds__(256, 3) mv_q6_k_q8_pairs(MvArgs a) { mv_rows<FMT_Q6_K, true, true>(a); }
+// Q4_K and Q6_K matrices in one launch (q/k/v with a Q6_K v), int8 activations.
+extern "C" __global__ void __launch_bounds__(256, 4) mv_any_q8(MvArgs a) { mv_rows<FMT_ANY, false, true>(a); }
 
 // Gated Q4_K rows through each warp's ring (`q4k_gated_ring`), `stream` stages (2 or 3):
 // shared memory, not registers, bounds its blocks per SM.

@@ -112,9 +112,12 @@ int main(int argc, char** argv) {
             int slices = (c.cols + slice - 1) / slice;
             int cap = waves > 0 ? std::max(1, waves * sms / slices) : 1 << 30;  // as cuda_decode.rs
             // f16 rows beyond one per warp: timed one a warp and two a warp (`pairs`), side by side.
-            bool can_pair = fmt == FMT_F16 && !gated && rows_total > cap * per_block;
+            // (Q4_K and Q6_K with int8 activations too: `mv_q4_k_q8_pairs`, and `mv_q6_k_q8_pairs`
+            // at 3 blocks an SM, as cuda_decode.rs launches them.)
+            bool can_pair = (fmt == FMT_F16 || q8) && !gated && rows_total > cap * per_block;
             for (int pairs = 0; pairs <= (int)can_pair; pairs++) {
-            int blocks = std::min(cap, (rows_total + (per_block << pairs) - 1) / (per_block << pairs));
+            int most = pairs && q8 && fmt == FMT_Q6_K ? std::max(1, 3 * sms / slices) : cap;
+            int blocks = std::min(most, (rows_total + (per_block << pairs) - 1) / (per_block << pairs));
             dim3 grid(blocks, slices);
             // Split-K partial sums and arrival counters, as cuda_decode.rs plans them.
             float* partial = nullptr;
@@ -134,7 +137,8 @@ int main(int argc, char** argv) {
                 a.stream = ring ? stream : 0;
                 if (ring) a.q4k = 0;  // the ring kernel stages its input its own way
                 if (q8) a.q4k = 2;
-                auto kernel = ring ? mv_gated_q4_k_ring : q8 ? (fmt == FMT_Q4_K ? mv_q4_k_q8 : mv_q6_k_q8) : kernels[fi][gated];
+                auto q8_kernel = fmt == FMT_Q4_K ? (pairs ? mv_q4_k_q8_pairs : mv_q4_k_q8) : (pairs ? mv_q6_k_q8_pairs : mv_q6_k_q8);
+                auto kernel = ring ? mv_gated_q4_k_ring : q8 ? q8_kernel : kernels[fi][gated];
                 if (!pdl) {
                     kernel<<<grid, 256, smem>>>(a);
                     return;
@@ -169,7 +173,7 @@ int main(int argc, char** argv) {
             CK(cudaMemcpy(ho.data(), out, rows_total * 4, cudaMemcpyDeviceToHost));
             double check = 0;
             for (int i = 0; i < rows_total; i++) check += ho[i] * (double)(i % 7 + 1);
-            printf("%-5s %-13s %7.1f us  %7.0f GB/s  (%.1f MB, grid %dx%d%s%s)  check %.6e\n", fmt_names[fi], c.name, us, per / us / 1e3, per / 1e6, grid.x, grid.y, pairs ? ", pairs" : "", ring ? ", ring" : q8 ? ", int8" : "", check);
+            printf("%-5s %-13s %7.1f us  %7.0f GB/s  (%.1f MB, grid %dx%d%s%s%s)  check %.6e\n", fmt_names[fi], c.name, us, per / us / 1e3, per / 1e6, grid.x, grid.y, pairs ? ", pairs" : "", ring ? ", ring" : "", q8 ? ", int8" : "", check);
             cudaFree(partial); cudaFree(arrivals);
             }
             for (void* p : ws) cudaFree(p);

@@ -250,6 +250,10 @@ pub struct FusedDecode {
     mv_pairs: bool,
     /// The same for Q4_K launches (`SHOAL_FUSED_Q4_PAIRS=0`: one row a warp at a time).
     q4_pairs: bool,
+    /// Q6_K rows with int8 activations two a warp (`mv_q6_k_q8_pairs`): the most blocks of such
+    /// a launch, 3 an SM (both rows' loads in registers bound it), or 0 (`SHOAL_FUSED_Q6_PAIRS=0`:
+    /// one row a warp at a time).
+    q6_pairs_blocks: u32,
     attend_threads: u32,
     /// f16/bf16 warps load their first rows before waiting for the previous kernel (H100s, eight
     /// alternating pairs: 7B f16 decode +0.2-1.9%, 1.5B +2.3-7.4%); `SHOAL_FUSED_PRELOAD=0` pulls
@@ -538,7 +542,15 @@ impl Planner<'_> {
         // (`q4k` = 2: `dot_q4_k_q8`, `dot_q6_k_q8`): with f32 inputs those kernels were bound by
         // instruction issue, not by memory. `SHOAL_FUSED_RING=0`, or `SHOAL_FUSED_Q4_INT8=0` /
         // `SHOAL_FUSED_Q6_INT8=0` for one format, keep f32 activations.
-        if (kernel == "mv_q4_k" && tuned("Q4_INT8", 1) != 0 || kernel == "mv_q6_k" && tuned("Q6_INT8", 1) != 0) && stages >= 2 {
+        // Launches mixing the two (q/k/v where v is Q6_K) take `mv_any_q8` (`SHOAL_FUSED_ANY_INT8=0`: f32).
+        let quantized = fmts.iter().all(|&f| f == FMT_Q4_K || f == FMT_Q6_K);
+        let int8 = match kernel {
+            "mv_q4_k" => tuned("Q4_INT8", 1) != 0,
+            "mv_q6_k" => tuned("Q6_INT8", 1) != 0,
+            "mv_any" => quantized && tuned("ANY_INT8", 1) != 0,
+            _ => false,
+        };
+        if int8 && stages >= 2 {
             args.q4k = 2;
         }
         self.max_smem = self.max_smem.max(mv_smem(&args));
@@ -693,11 +705,12 @@ impl FusedDecode {
         let mut mv = HashMap::new();
         for l in &launches {
             if let Launch::Mv { kernel, .. } = *l {
-                // `mv_q4_k` launches may take its pairs and int8 instances, `mv_q6_k` its int8 one
-                // (decided at launch).
+                // `mv_q4_k` and `mv_q6_k` launches may take their pairs and int8 instances,
+                // `mv_any` its int8 one (decided at launch).
                 let names: &[&'static str] = match kernel {
                     "mv_q4_k" => &["mv_q4_k", "mv_q4_k_pairs", "mv_q4_k_q8", "mv_q4_k_q8_pairs"],
-                    "mv_q6_k" => &["mv_q6_k", "mv_q6_k_q8"],
+                    "mv_q6_k" => &["mv_q6_k", "mv_q6_k_q8", "mv_q6_k_q8_pairs"],
+                    "mv_any" => &["mv_any", "mv_any_q8"],
                     _ => &[kernel],
                 };
                 for &kernel in names {
@@ -742,6 +755,7 @@ impl FusedDecode {
             ring_blocks,
             mv_pairs,
             q4_pairs: mv_pairs && tuned("Q4_PAIRS", 1) != 0,
+            q6_pairs_blocks: if mv_pairs && tuned("Q6_PAIRS", 1) != 0 { sms * 3 } else { 0 },
             attend_threads,
             preload: tuned("PRELOAD", 1) != 0,
             kinds,
@@ -874,14 +888,21 @@ impl FusedDecode {
                     let more_rows_than_warps = rows > cap.saturating_mul(warps);
                     let even = args.seg[..args.nseg as usize].iter().all(|s| s.rows % 2 == 0);
                     let q4_pairs = self.q4_pairs && kernel == "mv_q4_k" && more_rows_than_warps && even;
-                    args.pairs = i32::from(q4_pairs || (self.mv_pairs && matches!(kernel, "mv_f16" | "mv_bf16") && more_rows_than_warps));
-                    let kernel = match (kernel, q4_pairs, args.q4k == 2) {
+                    // Q6_K pairs only where each warp has many rows (LM heads): with a few (the
+                    // 1.5B's down) the fewer blocks cost more than the pairs save.
+                    let many_rows = rows >= cap.saturating_mul(warps).saturating_mul(16);
+                    let q6_pairs = self.q6_pairs_blocks > 0 && kernel == "mv_q6_k" && args.q4k == 2 && many_rows && even;
+                    args.pairs = i32::from(q4_pairs || q6_pairs || (self.mv_pairs && matches!(kernel, "mv_f16" | "mv_bf16") && more_rows_than_warps));
+                    let kernel = match (kernel, q4_pairs || q6_pairs, args.q4k == 2) {
                         ("mv_q4_k", true, true) => "mv_q4_k_q8_pairs",
                         ("mv_q4_k", false, true) => "mv_q4_k_q8",
                         ("mv_q4_k", true, false) => "mv_q4_k_pairs",
-                        ("mv_q6_k", _, true) => "mv_q6_k_q8",
+                        ("mv_q6_k", true, true) => "mv_q6_k_q8_pairs",
+                        ("mv_q6_k", false, true) => "mv_q6_k_q8",
+                        ("mv_any", _, true) => "mv_any_q8",
                         _ => kernel,
                     };
+                    let cap = if q6_pairs { (self.q6_pairs_blocks / slices).max(1) } else { cap };
                     let blocks = rows.div_ceil(warps << args.pairs).clamp(1, cap);
                     let cfg = LaunchConfig { grid_dim: (blocks, slices, 1), block_dim: (MV_THREADS, 1, 1), shared_mem_bytes: mv_smem(&args) as u32 };
                     // SAFETY: `args` points at buffers kept alive by `self` (weights held by the
