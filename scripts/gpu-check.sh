@@ -56,7 +56,7 @@ fidelity() {
   "$CHECK" same "$WORK/q15-q4km/model.gguf" --device cuda --tokens 16 || fail=1
   "$CHECK" fused "$WORK/q15-f16" --device cuda --tokens 32 || fail=1
   # Q4_K and Q6_K rows take int8 activations: without them (SHOAL_FUSED_RING=0) the step matches
-  # candle's f32-activation result; with them, it must be about as close to it as candle's own
+  # candle's f32-activation result; with them, it must be as close to it as candle's own
   # 8-bit-activation kernels are.
   SHOAL_FUSED_RING=0 "$CHECK" fused "$WORK/q15-q4km/model.gguf" --device cuda --tokens 32 || fail=1
   "$CHECK" fused "$WORK/q15-q4km/model.gguf" --device cuda --tokens 32 --int8 || fail=1
