@@ -819,6 +819,7 @@ __device__ __forceinline__ void stage_q8(Staged& in, int kn) {
 // Q8: int8 activations (`q4k` = 2) for Q4_K and Q6_K rows (with FMT_ANY: matrices of both).
 template <int F, bool PAIRS = false, bool Q8 = false>
 __device__ void mv_rows(const MvArgs& a) {
+    static_assert(!PAIRS || F == FMT_Q4_K || F == FMT_Q6_K && Q8, "pairs: Q4_K rows, or Q6_K rows with int8 activations");
     extern __shared__ float4 xs4[];  // float4: 16-byte aligned for the vector loads
     int k0 = blockIdx.y * a.slice, kn = min(a.slice, a.cols - k0);
     int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
@@ -1121,6 +1122,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) mv_q4_k_pairs(MvArgs a) { m
 extern "C" __global__ void __launch_bounds__(256, 4) mv_q4_k_q8(MvArgs a) { mv_rows<FMT_Q4_K, false, true>(a); }
 extern "C" __global__ void __launch_bounds__(256, 4) mv_q4_k_q8_pairs(MvArgs a) { mv_rows<FMT_Q4_K, true, true>(a); }
 extern "C" __global__ void __launch_bounds__(256, 4) mv_q6_k_q8(MvArgs a) { mv_rows<FMT_Q6_K, false, true>(a); }
+// Q6_K pairs hold both rows' loads in registers: 3 blocks an SM (at 4 they spill).
 extern "C" __global__ void __launch_bounds__(256, 3) mv_q6_k_q8_pairs(MvArgs a) { mv_rows<FMT_Q6_K, true, true>(a); }
 // Q4_K and Q6_K matrices in one launch (q/k/v with a Q6_K v), int8 activations.
 extern "C" __global__ void __launch_bounds__(256, 4) mv_any_q8(MvArgs a) { mv_rows<FMT_ANY, false, true>(a); }
