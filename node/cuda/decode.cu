@@ -1136,6 +1136,55 @@ extern "C" __global__ void __launch_bounds__(256, 4) mv_gated_q4_k_ring(MvArgs a
     else q4k_gated_ring<2>(a, smem);
 }
 
+// The first shard's input: row `*token` of the embedding table (rows `cols` wide in `fmt`,
+// dequantized as ggml's CUDA kernels do), times `scale`, into the residual `out`. The token id
+// is written with the step's other arguments, so the captured step takes it from there and
+// no lookup runs outside the graph.
+struct EmbedArgs {
+    const void* table;
+    int fmt;
+    int cols;
+    float scale;
+    const long long* token;
+    float* out;
+};
+
+__device__ float embed_value(const uint8_t* row, int fmt, int i) {
+    switch (fmt) {
+        case FMT_F32: return reinterpret_cast<const float*>(row)[i];
+        case FMT_F16: return __half2float(reinterpret_cast<const __half*>(row)[i]);
+        case FMT_BF16: return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(row)[i]);
+        case FMT_Q8_0: {
+            const uint8_t* b = row + (size_t)(i / 32) * 34;
+            return half_at(b, 0) * (float)(int8_t)b[2 + i % 32];
+        }
+        case FMT_Q4_K: {  // 64 values a group of 32 bytes: low nibbles, then high
+            const uint8_t* b = row + (size_t)(i / 256) * 144;
+            int j = i % 256, g = j / 64, w = j % 64;
+            const uint32_t* words = reinterpret_cast<const uint32_t*>(b);
+            uint32_t scales[3] = {words[1], words[2], words[3]};
+            float sc, m;
+            scale_min_k4(2 * g + w / 32, scales, &sc, &m);
+            uint8_t q = b[16 + 32 * g + w % 32];
+            float d1 = half_at(b, 0) * sc, m1 = half_at(b, 2) * m;
+            return d1 * (float)(w < 32 ? q & 0xF : q >> 4) - m1;
+        }
+        default: {  // Q6_K: halves of 128 values, each four runs of 32
+            const uint8_t* b = row + (size_t)(i / 256) * 210;
+            int j = i % 256, n = j / 128, run = (j % 128) / 32, l = j % 32;
+            uint8_t ql = b[64 * n + l + 32 * (run & 1)];
+            int q = ((run < 2 ? ql & 0xF : ql >> 4) | (((b[128 + 32 * n + l] >> (2 * run)) & 3) << 4)) - 32;
+            return half_at(b, 208) * (float)(int8_t)b[192 + 8 * n + l / 16 + 2 * run] * (float)q;
+        }
+    }
+}
+
+extern "C" __global__ void embed_row(EmbedArgs a) {
+    allow_next_kernel();
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(a.table) + fmt_bytes(a.fmt, (size_t)*a.token * a.cols);
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.cols; i += gridDim.x * blockDim.x) a.out[i] = embed_value(row, a.fmt, i) * a.scale;
+}
+
 // x += RMSNorm(h) · w (the post-attention and post-MLP norms of Gemma-style blocks). One block.
 extern "C" __global__ void add_norm(float* x, const float* h, const float* w, int n, float eps) {
     __shared__ float scratch[32];

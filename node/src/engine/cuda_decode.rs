@@ -3,7 +3,8 @@
 //! blocks, never copied) and the KV cache in place, with f32 activations (Q4_K gate/up rows take
 //! int8 ones, as llama.cpp's CUDA kernels do for every quantized matrix). The launch
 //! sequence is captured once as a CUDA graph and replayed each token, for every sequence: the
-//! position and the KV buffers' addresses are read from device memory, written before each step.
+//! position and the KV buffers' addresses are read from device memory, written before each step,
+//! and a first shard's token is embedded by the step's first kernel (no lookup outside the graph).
 //! Also the sampler's CUDA side: a temperature draw or top-k / top-p / min-p candidates computed
 //! where the logits are, and page-locked copies of whole rows.
 //! What it does not do: prompts (t > 1 stay on candle and cuBLAS), tensor-parallel slices, or
@@ -22,7 +23,7 @@ use candle_core::{DType, Device, Storage, Tensor};
 use super::cache::ShardCache;
 use super::layers::{DecoderLayer, Linear, RmsNorm};
 use super::spec::{Activation, RopeStyle};
-use super::weights::Matrix;
+use super::weights::{EmbeddingTable, Matrix};
 use super::{EngineError, Result};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));
@@ -113,9 +114,23 @@ struct AttnArgs {
     tag: u64,
 }
 
+/// `EmbedArgs` in decode.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct EmbedArgs {
+    table: u64,
+    fmt: i32,
+    cols: i32,
+    scale: f32,
+    token: u64,
+    out: u64,
+}
+
 /// One kernel launch of the step (attention finds its KV cache through `Buffers::step`).
 #[derive(Clone, Copy)]
 enum Launch {
+    /// The first shard's token row of the embedding (`embed_row`), first in the step.
+    Embed { args: EmbedArgs },
     /// `kernel`: the instance for its matrices' formats (see `mv_kernel`).
     Mv { args: MvArgs, rows: u32, kernel: &'static str },
     Attend { args: AttnArgs },
@@ -128,8 +143,8 @@ struct Buffers {
     /// The residual stream (hidden f32).
     x: Tensor,
     /// What a step reads from the host: the position, then per layer the key and value cache
-    /// addresses and their capacity (`KvSlot` in decode.cu), then the step's tag (see `tags`),
-    /// written before the step's kernels.
+    /// addresses and their capacity (`KvSlot` in decode.cu), then the step's tag (see `tags`)
+    /// and the token id (`step_token`), written before the step's kernels.
     step: CudaSlice<u64>,
     /// The latest step's tag: steps taken, from 1 (tagged buffers start zeroed).
     tag: u32,
@@ -142,7 +157,7 @@ struct Buffers {
 }
 
 /// Where a launch sits in a layer, for the profile and the trace.
-const KIND_NAMES: [&str; 7] = ["qkv", "attend", "o", "gate/up", "down", "head", "add_norm"];
+const KIND_NAMES: [&str; 8] = ["qkv", "attend", "o", "gate/up", "down", "head", "add_norm", "embed"];
 
 /// Each launch's kind (an index into `KIND_NAMES`): per layer q/k/v, attend, o, gate/up and
 /// down (with add_norm after o or down for post-norm families), then the head.
@@ -158,6 +173,7 @@ fn launch_kinds(launches: &[Launch], layers: usize) -> Vec<usize> {
             }
             Launch::Attend { .. } => 1,
             Launch::AddNorm { .. } => 6,
+            Launch::Embed { .. } => 7,
         })
         .collect()
 }
@@ -238,6 +254,10 @@ pub struct FusedDecode {
     mv: HashMap<&'static str, CudaFunction>,
     attend: CudaFunction,
     add_norm: CudaFunction,
+    embed_row: CudaFunction,
+    /// Rows of the embedding table when the step embeds its own token (`Launch::Embed`).
+    embed_rows: Option<usize>,
+    device: Device,
     launches: Vec<Launch>,
     /// Per layer: (kv heads, head dim, cache dtype).
     kv: Vec<(usize, usize, DType)>,
@@ -393,6 +413,26 @@ fn dense_fmt(dtype: DType) -> Result<i32> {
         DType::BF16 => Ok(FMT_BF16),
         other => Err(unsupported(format!("no kernels for {other:?} activations"))),
     }
+}
+
+/// `embed_row`'s arguments for a table whose rows it can take exactly as `EmbeddingTable::lookup`
+/// and `Shard::forward` produce them (the same dequantization, no rounding to a narrower compute
+/// type, the scale applied in f32), else None: then the caller embeds.
+fn embed_args(table: &EmbeddingTable, scale: Option<f64>, dtype: DType, hidden: usize) -> Result<Option<EmbedArgs>> {
+    let (ptr, fmt, stored) = match table {
+        EmbeddingTable::Dense(t) if t.is_contiguous() && t.dims2()?.1 == hidden => (tensor_ptr(t)?, dense_fmt(t.dtype())?, t.dtype()),
+        EmbeddingTable::Quantized(q) if q.shape().dims().get(1) == Some(&hidden) => match q.dtype() {
+            GgmlDType::Q8_0 => (q.device_ptr()? as u64, FMT_Q8_0, DType::F32),
+            GgmlDType::Q4K => (q.device_ptr()? as u64, FMT_Q4_K, DType::F32),
+            GgmlDType::Q6K => (q.device_ptr()? as u64, FMT_Q6_K, DType::F32),
+            _ => return Ok(None),
+        },
+        _ => return Ok(None),
+    };
+    if stored != dtype || (scale.is_some() && dtype != DType::F32) {
+        return Ok(None);
+    }
+    Ok(Some(EmbedArgs { table: ptr, fmt, cols: hidden as i32, scale: scale.unwrap_or(1.0) as f32, ..EmbedArgs::default() }))
 }
 
 /// Builds launches, keeping what they point into alive.
@@ -573,11 +613,14 @@ impl Planner<'_> {
 impl FusedDecode {
     /// Plans the step for `layers` (and, for a last shard, the final norm and LM head).
     /// An error says why these layers cannot run fused; the caller then keeps candle's path.
-    pub fn build(layers: &[DecoderLayer], head: Option<(&RmsNorm, &Linear)>, hidden: usize, device: &Device, dtype: DType) -> Result<Self> {
+    /// `embed`: a first shard's embedding table and scale. Where its format allows, the step
+    /// takes token ids (`step_token`) and embeds them itself; otherwise the caller passes
+    /// embedded rows (`step`).
+    pub fn build(layers: &[DecoderLayer], head: Option<(&RmsNorm, &Linear)>, embed: Option<(&EmbeddingTable, Option<f64>)>, hidden: usize, device: &Device, dtype: DType) -> Result<Self> {
         let cuda = device.as_cuda_device()?;
         let stream = cuda.cuda_stream();
         let load = |name: &str| cuda.get_or_load_custom_func(name, MODULE, PTX).map(|f| f.into_cuda_function());
-        let (attend, add_norm) = (load("attend")?, load("add_norm")?);
+        let (attend, add_norm, embed_row) = (load("attend")?, load("add_norm")?, load("embed_row")?);
         // The dynamic shared memory a block may ask for: the GPU's per-block limit less the
         // kernels' static shared memory (block sums' scratch, the trace marks; under 1 KB).
         let optin = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(driver)? as usize;
@@ -585,7 +628,8 @@ impl FusedDecode {
         let mut p = Planner { device, keep: Vec::new(), max_smem: 0, smem_limit: optin };
         let x_t = Tensor::zeros(hidden, DType::F32, device)?;
         let x = tensor_ptr(&x_t)?;
-        let step = stream.alloc_zeros::<u64>(2 + 3 * layers.len()).map_err(driver)?;
+        // The position, each layer's KV buffers (keys, values, capacity), the tag, the token id.
+        let step = stream.alloc_zeros::<u64>(3 + 3 * layers.len()).map_err(driver)?;
         let step_ptr = step.device_ptr(&stream).0;
         // q/k/v, attention's and gate/up's outputs are tagged (`load_tagged` in decode.cu): the
         // next kernel reads each value as it is written instead of waiting for the last block.
@@ -602,6 +646,14 @@ impl FusedDecode {
         };
         let cache_fmt = dense_fmt(dtype)?;
         let mut launches = Vec::new();
+        let embed_rows = match embed.map(|(table, scale)| embed_args(table, scale, dtype, hidden)).transpose()?.flatten() {
+            Some(args) => {
+                let token = step_ptr + 8 * (2 + 3 * layers.len() as u64);
+                launches.push(Launch::Embed { args: EmbedArgs { token, out: x, ..args } });
+                embed.map(|(table, _)| table.rows())
+            }
+            None => None,
+        };
         let mut kv = Vec::new();
         let h = p.scratch(hidden)?;
         for layer in layers {
@@ -748,6 +800,9 @@ impl FusedDecode {
             mv,
             attend,
             add_norm,
+            embed_row,
+            embed_rows,
+            device: device.clone(),
             launches,
             kv,
             hidden,
@@ -777,25 +832,48 @@ impl FusedDecode {
         self.enabled.store(on, Ordering::Relaxed);
     }
 
+    /// Whether the step embeds its own token (`step_token`), rather than taking a row (`step`).
+    pub fn takes_tokens(&self) -> bool {
+        self.embed_rows.is_some()
+    }
+
     /// One token: `x` is its `(1, 1, hidden)` input. Returns `(1, vocab)` f32 logits for a last
     /// shard, else the `(1, 1, hidden)` f32 hidden state; the cache advances by one position.
     pub fn step(&self, x: &Tensor, cache: &mut ShardCache) -> Result<Tensor> {
-        let device = x.device().clone();
+        if self.takes_tokens() {
+            return Err(EngineError::Shard("this fused step embeds its own tokens".into()));
+        }
         let x = x.to_dtype(DType::F32)?.contiguous()?;
-        let pos = cache.position();
-        let mut b = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
-        let cu = self.stream.cu_stream();
+        let b = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: both buffers are `hidden` f32 values on this device; the copy is in stream order.
-        unsafe { candle_core::cuda_backend::cudarc::driver::result::memcpy_dtod_async(tensor_ptr(&b.x)?, tensor_ptr(&x)?, self.hidden * 4, cu) }.map_err(driver)?;
-        let mut step = Vec::with_capacity(2 + 3 * self.kv.len());
+        unsafe { candle_core::cuda_backend::cudarc::driver::result::memcpy_dtod_async(tensor_ptr(&b.x)?, tensor_ptr(&x)?, self.hidden * 4, self.stream.cu_stream()) }.map_err(driver)?;
+        self.run(b, None, cache)
+    }
+
+    /// One token of a first shard (`takes_tokens`): as `step`, embedding token `id` inside the
+    /// step (one copy of the step's arguments and one graph launch a token, nothing else).
+    pub fn step_token(&self, id: u32, cache: &mut ShardCache) -> Result<Tensor> {
+        let rows = self.embed_rows.ok_or_else(|| EngineError::Shard("this fused step takes embedded rows".into()))?;
+        if id as usize >= rows {
+            return Err(EngineError::InvalidRequest(format!("token id {id} is outside the vocabulary of {rows}")));
+        }
+        let b = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
+        self.run(b, Some(id), cache)
+    }
+
+    /// The step itself, its input in `b.x` or (`token`) to be embedded by its first kernel.
+    fn run(&self, mut b: std::sync::MutexGuard<'_, Buffers>, token: Option<u32>, cache: &mut ShardCache) -> Result<Tensor> {
+        let pos = cache.position();
+        let mut step = Vec::with_capacity(3 + 3 * self.kv.len());
         step.push(pos as u64);
         for (lc, &(kv_heads, d, dtype)) in cache.layers.iter_mut().zip(&self.kv) {
-            let (k, v) = lc.reserve(pos + 1, kv_heads, d, dtype, &device)?;
+            let (k, v) = lc.reserve(pos + 1, kv_heads, d, dtype, &self.device)?;
             step.extend([tensor_ptr(k)?, tensor_ptr(v)?, k.dim(2)? as u64]);
         }
         // A tag no value of the last 2^32 - 1 steps carries (0 is the zeroed buffers').
         b.tag = b.tag.checked_add(1).unwrap_or(1);
         step.push(u64::from(b.tag));
+        step.push(u64::from(token.unwrap_or(0)));
         self.stream.memcpy_htod(&step, &mut b.step).map_err(driver)?;
         let trace = match &mut b.trace {
             Some((t, _)) => {
@@ -914,6 +992,12 @@ impl FusedDecode {
                     let cfg = LaunchConfig { grid_dim: (args.heads as u32, 1, 1), block_dim: (self.attend_threads, 1, 1), shared_mem_bytes: 0 };
                     // SAFETY: as above; `step` names caches with `capacity` > position rows (reserved).
                     unsafe { self.launch(&self.attend, cfg, &mut [(&raw mut args).cast()]) }?;
+                }
+                Launch::Embed { mut args } => {
+                    let cfg = LaunchConfig { grid_dim: ((args.cols as u32).div_ceil(256), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+                    // SAFETY: the table (held by the shard), the step's arguments and the residual
+                    // buffer (held by `self`) outlive the step; the token id is below the table's rows.
+                    unsafe { self.launch(&self.embed_row, cfg, &mut [(&raw mut args).cast()]) }?;
                 }
                 Launch::AddNorm { mut x, mut h, mut w, mut n, mut eps } => {
                     let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };

@@ -130,7 +130,8 @@ impl Shard {
         let fused = match (device.is_cuda(), &tp) {
             (true, None) => {
                 let head = final_norm.as_ref().zip(lm_head.as_ref());
-                match super::cuda_decode::FusedDecode::build(&layers, head, spec.hidden_size, device, dtype) {
+                let first_embed = embed.as_ref().filter(|_| is_first).map(|e| (e, spec.embedding_scale));
+                match super::cuda_decode::FusedDecode::build(&layers, head, first_embed, spec.hidden_size, device, dtype) {
                     Ok(f) => Some(f),
                     Err(e) => {
                         tracing::info!("layers {range} decode through candle's ops: {e}");
@@ -206,6 +207,17 @@ impl Shard {
     /// Runs this shard's layers for the next `t` positions of a sequence.
     /// `all_logits` asks the last shard for logits at every position instead of only the last.
     pub fn forward(&self, input: ShardInput<'_>, cache: &mut ShardCache, all_logits: bool) -> Result<ShardOutput> {
+        // One token of a first shard whose fused step embeds it: no lookup outside the step.
+        #[cfg(feature = "cuda")]
+        if let (ShardInput::Tokens([id]), Some(fused)) = (&input, &self.fused) {
+            if fused.enabled() && fused.takes_tokens() {
+                if cache.position() + 1 > self.spec.context_length {
+                    return Err(EngineError::PromptTooLong { prompt_tokens: cache.position() + 1, context: self.spec.context_length });
+                }
+                let y = fused.step_token(*id, cache)?;
+                return if self.is_last() { self.finish_logits(y) } else { Ok(ShardOutput::Hidden(y)) };
+            }
+        }
         let mut x = match (input, &self.embed) {
             (ShardInput::Tokens(ids), Some(embed)) => {
                 if ids.is_empty() {
