@@ -1181,6 +1181,9 @@ __device__ float embed_value(const uint8_t* row, int fmt, int i) {
 
 extern "C" __global__ void embed_row(EmbedArgs a) {
     allow_next_kernel();
+    // Launched after the previous step's last kernel, which reads the residual (a no-op where
+    // the launch does not overlap it, as in the captured step).
+    wait_for_previous_kernel();
     const uint8_t* row = reinterpret_cast<const uint8_t*>(a.table) + fmt_bytes(a.fmt, (size_t)*a.token * a.cols);
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.cols; i += gridDim.x * blockDim.x) a.out[i] = embed_value(row, a.fmt, i) * a.scale;
 }

@@ -420,7 +420,10 @@ fn dense_fmt(dtype: DType) -> Result<i32> {
 /// type, the scale applied in f32), else None: then the caller embeds.
 fn embed_args(table: &EmbeddingTable, scale: Option<f64>, dtype: DType, hidden: usize) -> Result<Option<EmbedArgs>> {
     let (ptr, fmt, stored) = match table {
-        EmbeddingTable::Dense(t) if t.is_contiguous() && t.dims2()?.1 == hidden => (tensor_ptr(t)?, dense_fmt(t.dtype())?, t.dtype()),
+        EmbeddingTable::Dense(t) if t.is_contiguous() && matches!(t.dims(), [_, h] if *h == hidden) => match dense_fmt(t.dtype()) {
+            Ok(fmt) => (tensor_ptr(t)?, fmt, t.dtype()),
+            Err(_) => return Ok(None),
+        },
         EmbeddingTable::Quantized(q) if q.shape().dims().get(1) == Some(&hidden) => match q.dtype() {
             GgmlDType::Q8_0 => (q.device_ptr()? as u64, FMT_Q8_0, DType::F32),
             GgmlDType::Q4K => (q.device_ptr()? as u64, FMT_Q4_K, DType::F32),
