@@ -1,6 +1,6 @@
 //! The fused decode step on an NVIDIA GPU: one token of a shard's layers in five kernels per
 //! layer (`cuda/decode.cu`), reading the weights where candle loaded them (dense rows or GGUF
-//! blocks, never copied) and the KV cache in place, with f32 activations (Q4_K gate/up rows take
+//! blocks, never copied) and the KV cache in place, with f32 activations (Q4_K and Q6_K rows take
 //! int8 ones, as llama.cpp's CUDA kernels do for every quantized matrix). The launch
 //! sequence is captured once as a CUDA graph and replayed each token, for every sequence: the
 //! position and the KV buffers' addresses are read from device memory, written before each step,
@@ -23,7 +23,7 @@ use candle_core::{DType, Device, Storage, Tensor};
 use super::cache::ShardCache;
 use super::layers::{DecoderLayer, Linear, RmsNorm};
 use super::spec::{Activation, RopeStyle};
-use super::weights::{EmbeddingTable, Matrix};
+use super::weights::{check_token_ids, EmbeddingTable, Matrix};
 use super::{EngineError, Result};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode.ptx"));
@@ -857,9 +857,7 @@ impl FusedDecode {
     /// step (one copy of the step's arguments and one graph launch a token, nothing else).
     pub fn step_token(&self, id: u32, cache: &mut ShardCache) -> Result<Tensor> {
         let rows = self.embed_rows.ok_or_else(|| EngineError::Shard("this fused step takes embedded rows".into()))?;
-        if id as usize >= rows {
-            return Err(EngineError::InvalidRequest(format!("token id {id} is outside the vocabulary of {rows}")));
-        }
+        check_token_ids(&[id], rows)?;
         let b = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
         self.run(b, Some(id), cache)
     }

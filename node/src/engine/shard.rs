@@ -204,6 +204,14 @@ impl Shard {
         ShardCache::new(self.layers.len(), &self.device)
     }
 
+    /// An error when `t` more positions after `start` would not fit the model's context.
+    fn check_context(&self, start: usize, t: usize) -> Result<()> {
+        if start + t > self.spec.context_length {
+            return Err(EngineError::PromptTooLong { prompt_tokens: start + t, context: self.spec.context_length });
+        }
+        Ok(())
+    }
+
     /// Runs this shard's layers for the next `t` positions of a sequence.
     /// `all_logits` asks the last shard for logits at every position instead of only the last.
     pub fn forward(&self, input: ShardInput<'_>, cache: &mut ShardCache, all_logits: bool) -> Result<ShardOutput> {
@@ -211,9 +219,7 @@ impl Shard {
         #[cfg(feature = "cuda")]
         if let (ShardInput::Tokens([id]), Some(fused)) = (&input, &self.fused) {
             if fused.enabled() && fused.takes_tokens() {
-                if cache.position() + 1 > self.spec.context_length {
-                    return Err(EngineError::PromptTooLong { prompt_tokens: cache.position() + 1, context: self.spec.context_length });
-                }
+                self.check_context(cache.position(), 1)?;
                 let y = fused.step_token(*id, cache)?;
                 return if self.is_last() { self.finish_logits(y) } else { Ok(ShardOutput::Hidden(y)) };
             }
@@ -241,9 +247,7 @@ impl Shard {
         };
         let t = x.dim(1)?;
         let start = cache.position();
-        if start + t > self.spec.context_length {
-            return Err(EngineError::PromptTooLong { prompt_tokens: start + t, context: self.spec.context_length });
-        }
+        self.check_context(start, t)?;
         #[cfg(feature = "cuda")]
         if let (1, Some(fused)) = (t, &self.fused) {
             if fused.enabled() {

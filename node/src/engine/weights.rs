@@ -69,6 +69,14 @@ impl Matrix {
     }
 }
 
+/// An error for the first of `ids` outside a table of `rows` rows.
+pub fn check_token_ids(ids: &[u32], rows: usize) -> Result<()> {
+    match ids.iter().find(|&&id| id as usize >= rows) {
+        Some(bad) => Err(EngineError::InvalidRequest(format!("token id {bad} is outside the vocabulary of {rows}"))),
+        None => Ok(()),
+    }
+}
+
 /// An embedding table kept in its stored form; rows are materialised only for looked-up ids.
 #[derive(Debug, Clone)]
 pub enum EmbeddingTable {
@@ -88,10 +96,7 @@ impl EmbeddingTable {
 
     /// Embeds `ids` into a `(len, hidden)` f32 tensor; ids outside the table are an error.
     pub fn lookup(&self, ids: &[u32]) -> Result<Tensor> {
-        let rows = self.rows();
-        if let Some(bad) = ids.iter().find(|&&id| id as usize >= rows) {
-            return Err(EngineError::InvalidRequest(format!("token id {bad} is outside the vocabulary of {rows}")));
-        }
+        check_token_ids(ids, self.rows())?;
         let device = match self {
             EmbeddingTable::Dense(t) => t.device().clone(),
             EmbeddingTable::Packed(q) => {
