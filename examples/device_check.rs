@@ -24,6 +24,11 @@
 //!   device_check time <model> [--device cuda] [--tokens 128] [--fused-only]
 //!     milliseconds per decode token, waiting for each token's id (as generation does) and
 //!     queueing them all with one wait at the end, fused and with candle's ops (a diagnostic).
+//!   device_check chain <model> [--device cuda] [--tokens 64]
+//!     decoding one step ahead of the host (`ChainedDecode`: the GPU picks each token and feeds
+//!     the next step) gives the tokens the host loop gives, greedy and with a seeded temperature
+//!     draw, directly and through `generate`, and leaves the cache where the host loop does; with
+//!     the milliseconds per token of both ways;
 //!   device_check sample [--device cuda] [--draws 3000]
 //!     sampling from logits on the GPU (a plain temperature draw there, or candidates gathered
 //!     there for top-k / top-p / min-p) against the CPU sampler, fed the same logits and the same
@@ -37,7 +42,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 use rand::{Rng, SeedableRng};
 use shoal::engine::device::{ComputeDevice, DeviceChoice};
+use shoal::engine::chained::ChainedDecode;
+use shoal::engine::generate::{generate, Prompt};
 use shoal::engine::sampler::{Sampler, SamplingParams};
+use shoal::engine::{GenerationEvent, GenerationRequest};
 use shoal::engine::shard::{Shard, ShardInput, ShardOutput};
 use shoal::engine::{LoadOptions, LoadedModel};
 
@@ -331,7 +339,61 @@ fn main() -> anyhow::Result<()> {
                 }
             }
         }
-        _ => bail!("usage: device_check fixtures <dir> | same|fused|prompt|interleave|time <model> [--device cuda] [--tokens N] [--prompt TEXT] | sample [--draws N]"),
+        (Some("chain"), Some(model)) => {
+            let n: usize = flag(&args, "--tokens").map(|t| t.parse()).transpose()?.unwrap_or(64);
+            let m = LoadedModel::load(model.as_ref(), &LoadOptions { device: device.clone(), ..LoadOptions::default() })?;
+            let prompt = m.text.encode_prompt(&flag(&args, "--prompt").unwrap_or_else(|| "The capital of France is".into()))?;
+            let settings = [("greedy", SamplingParams::greedy()), ("temperature 0.8", SamplingParams { temperature: 0.8, seed: Some(3), ..SamplingParams::default() })];
+            for (name, params) in settings {
+                // n tokens after the prompt; the step loop's ms per token; the cache's positions after.
+                let decode = |chained: bool| -> anyhow::Result<(Vec<u32>, f64, usize)> {
+                    let mut sampler = Sampler::new(params.clone())?;
+                    let mut cache = m.shard.new_cache();
+                    let ShardOutput::Logits(l) = m.shard.forward(ShardInput::Tokens(&prompt), &mut cache, false)? else { bail!("no logits") };
+                    let mut ids = vec![sampler.sample_logits(&l.squeeze(0)?, &[])?];
+                    let t0 = std::time::Instant::now();
+                    if chained {
+                        let mut c = ChainedDecode::new(&m.shard, &sampler)?.context("no chained decoding for this model on this device")?;
+                        for i in 1..n {
+                            let id = c.next(ids[i - 1], i + 1 < n, &mut cache, &mut sampler)?;
+                            ids.push(id);
+                        }
+                        c.finish(&mut cache);
+                    } else {
+                        for i in 1..n {
+                            let ShardOutput::Logits(l) = m.shard.forward(ShardInput::Tokens(&[ids[i - 1]]), &mut cache, false)? else { bail!("no logits") };
+                            let id = sampler.sample_logits(&l.squeeze(0)?, &ids)?;
+                            ids.push(id);
+                        }
+                    }
+                    Ok((ids, t0.elapsed().as_secs_f64() * 1e3 / (n - 1).max(1) as f64, cache.position()))
+                };
+                let ((host, host_ms, host_pos), (chain, chain_ms, chain_pos)) = (decode(false)?, decode(true)?);
+                // And through `generate`, which takes the chained path after the prompt.
+                let request = GenerationRequest { prompt: Prompt::Tokens(prompt.clone()), sampling: params.clone(), max_tokens: Some(n), stop: vec![] };
+                let mut generated = Vec::new();
+                generate(&m, &request, &mut |e| {
+                    if let GenerationEvent::Token { id, .. } = e {
+                        generated.extend((id != u32::MAX).then_some(id));
+                    }
+                    true
+                })?;
+                let same = host == chain && host_pos == chain_pos && host.starts_with(&generated) && !generated.is_empty();
+                println!(
+                    "{} {name}: {n} tokens chained on the device {} the host loop's ({} through generate, which {}); cache positions {chain_pos} and {host_pos}; {chain_ms:.3} against {host_ms:.3} ms a token ({:.2}x)",
+                    if same { "PASS" } else { "FAIL" },
+                    if host == chain { "equal to" } else { "DIFFER from" },
+                    generated.len(),
+                    if host.starts_with(&generated) { "agree" } else { "DIFFER" },
+                    host_ms / chain_ms
+                );
+                if !same {
+                    println!("  host    {host:?}\n  chained {chain:?}\n  generate {generated:?}");
+                }
+                failures += usize::from(!same);
+            }
+        }
+        _ => bail!("usage: device_check fixtures <dir> | same|fused|prompt|interleave|time|chain <model> [--device cuda] [--tokens N] [--prompt TEXT] | sample [--draws N]"),
     }
     if failures > 0 {
         bail!("{failures} check(s) failed");

@@ -5,7 +5,8 @@
 # and tokenizer.json travel.
 #   scripts/gpu-check.sh fidelity [fixtures]   fixtures vs transformers on the GPU; Qwen2.5-1.5B-shaped
 #                                   f16 and Q4_K_M: 16 greedy tokens on the GPU equal the CPU's,
-#                                   and the fused decode step agrees with candle's ops; two
+#                                   and the fused decode step agrees with candle's ops; decoding
+#                                   with the GPU picking each token gives the host loop's; two
 #                                   sequences decoded turn about equal each decoded alone; a
 #                                   600-token Q4_K_M prompt dequantized to f16 is at least as
 #                                   close to f32 as candle's MMQ kernels; the
@@ -60,6 +61,9 @@ fidelity() {
   # 8-bit-activation kernels are.
   SHOAL_FUSED_RING=0 "$CHECK" fused "$WORK/q15-q4km/model.gguf" --device cuda --tokens 32 || fail=1
   "$CHECK" fused "$WORK/q15-q4km/model.gguf" --device cuda --tokens 32 --int8 || fail=1
+  # Decoding one step ahead of the host (the GPU picks each token) gives the host loop's tokens.
+  "$CHECK" chain "$WORK/q15-f16" --device cuda --tokens 64 || fail=1
+  "$CHECK" chain "$WORK/q15-q4km/model.gguf" --device cuda --tokens 64 || fail=1
   "$CHECK" interleave "$WORK/q15-f16" --device cuda --tokens 64 || fail=1
   "$CHECK" interleave "$WORK/q15-q4km/model.gguf" --device cuda --tokens 64 || fail=1
   # Prompts of 512 tokens and more multiply quantized matrices dequantized to f16 (cuBLAS).

@@ -16,7 +16,8 @@
 // it does not wait for that kernel's end: it reads each value once it carries the step's tag
 // (`load_tagged`).
 // Also here, at the end: sampling where the logits are (`sample_temperature` draws a token,
-// `sample_candidates` gathers top-k / top-p / min-p candidates for the host's cuts).
+// `sample_candidates` gathers top-k / top-p / min-p candidates for the host's cuts, `pick_token`
+// feeds a greedy or temperature pick straight into the next step's embedding).
 // What this file does not do: prompts (t > 1 run through candle and cuBLAS), batches, the
 // sampler's cuts or penalties (the host applies those).
 
@@ -1136,16 +1137,17 @@ extern "C" __global__ void __launch_bounds__(256, 4) mv_gated_q4_k_ring(MvArgs a
     else q4k_gated_ring<2>(a, smem);
 }
 
-// The first shard's input: row `*token` of the embedding table (rows `cols` wide in `fmt`,
-// dequantized as ggml's CUDA kernels do), times `scale`, into the residual `out`. The token id
-// is written with the step's other arguments, so the captured step takes it from there and
-// no lookup runs outside the graph.
+// The first shard's input: row `**token_at` of the embedding table (rows `cols` wide in `fmt`,
+// dequantized as ggml's CUDA kernels do), times `scale`, into the residual `out`. The token id's
+// address is written with the step's other arguments, so the captured step takes it from there
+// and no lookup runs outside the graph: it points at the id the host wrote beside it, or at the
+// one `pick_token` chose after the previous step (decoding that never waits for the host).
 struct EmbedArgs {
     const void* table;
     int fmt;
     int cols;
     float scale;
-    const long long* token;
+    const unsigned* const* token_at;
     float* out;
 };
 
@@ -1184,7 +1186,7 @@ extern "C" __global__ void embed_row(EmbedArgs a) {
     // Launched after the previous step's last kernel, which reads the residual (a no-op where
     // the launch does not overlap it, as in the captured step).
     wait_for_previous_kernel();
-    const uint8_t* row = reinterpret_cast<const uint8_t*>(a.table) + fmt_bytes(a.fmt, (size_t)*a.token * a.cols);
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(a.table) + fmt_bytes(a.fmt, (size_t)**a.token_at * a.cols);
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.cols; i += gridDim.x * blockDim.x) a.out[i] = embed_value(row, a.fmt, i) * a.scale;
 }
 
@@ -1442,11 +1444,19 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
 }
 
 // The largest of `n` logits (NaN skipped, as f32::max does), for every thread of the block.
+// float4 loads, four in flight, where the row is 16-byte aligned (as `row_argmax`).
 __device__ float row_max(const float* logits, int n) {
     __shared__ float maxes[32];
     int lane = threadIdx.x & 31, nw = (blockDim.x + 31) >> 5;
     float m = -INFINITY;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, logits[i]);
+    int vec = ((uintptr_t)logits & 15) == 0 ? n >> 2 : 0;
+    const float4* l4 = reinterpret_cast<const float4*>(logits);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < vec; i += blockDim.x) {
+        float4 q = l4[i];
+        m = fmaxf(m, fmaxf(fmaxf(q.x, q.y), fmaxf(q.z, q.w)));
+    }
+    for (int i = 4 * vec + threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, logits[i]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     if (lane == 0) maxes[threadIdx.x >> 5] = m;
@@ -1465,57 +1475,139 @@ __device__ __forceinline__ float sample_weight(float l, float m, float floor, fl
 // Draws a token from softmax(logits / temperature) with `r`, a uniform draw in [0, 1) made by the
 // host's seeded generator, as the CPU sampler does without top-k, top-p, min-p or penalties:
 // weights exp((l - max) / T), 0 below max - 40T, and the first token whose running sum of weights
-// passes r times their total. One block of 1024 threads, each summing a contiguous chunk in f64;
-// the chunk sums are added in order, so a seeded run repeats. Only the token id leaves the GPU.
-extern "C" __global__ void __launch_bounds__(1024) sample_temperature(const float* logits, int n, float temperature, double r, unsigned* out) {
-    __shared__ double sums[1024];
-    __shared__ int chunk;
-    __shared__ double before, target;
-    int t = threadIdx.x;
-    float m = row_max(logits, n);
+// passes r times their total. One block of 1024 threads: each sums a contiguous chunk (a multiple
+// of 4 tokens, read as float4 where aligned) in f64; a block-wide scan in a fixed order gives each
+// chunk the sum before it, so a seeded run repeats; the chunk where the running sum passes the
+// target is walked token by token by its thread. Every thread gets the token.
+__device__ unsigned draw_temperature(const float* logits, int n, float temperature, double r) {
+    __shared__ double warp_sums[32];
+    __shared__ int chunk, last;
+    __shared__ unsigned picked;
+    int t = threadIdx.x, lane = t & 31, w = t >> 5, nw = (blockDim.x + 31) >> 5;
+    if (t == 0) chunk = 0x7fffffff, last = -1;
+    float m = row_max(logits, n);  // its barrier also publishes `chunk` and `last`
     float floor = m - 40.f * temperature, scale = 1.f / temperature;
-    int per = (n + blockDim.x - 1) / blockDim.x, lo = min(n, t * per), hi = min(n, lo + per);
+    int per = ((n + blockDim.x - 1) / blockDim.x + 3) & ~3, lo = min(n, t * per), hi = min(n, lo + per);
     double s = 0.0;
-    for (int i = lo; i < hi; i++) s += (double)sample_weight(logits[i], m, floor, scale);
-    sums[t] = s;
+    if (((uintptr_t)logits & 15) == 0 && hi - lo == per) {
+        const float4* l4 = reinterpret_cast<const float4*>(logits + lo);
+#pragma unroll 4
+        for (int i = 0; i < per / 4; i++) {
+            float4 q = l4[i];
+            s += (double)sample_weight(q.x, m, floor, scale);
+            s += (double)sample_weight(q.y, m, floor, scale);
+            s += (double)sample_weight(q.z, m, floor, scale);
+            s += (double)sample_weight(q.w, m, floor, scale);
+        }
+    } else {
+        for (int i = lo; i < hi; i++) s += (double)sample_weight(logits[i], m, floor, scale);
+    }
+    // Inclusive scan of the chunk sums: within each warp, then over the warps' totals.
+    double incl = s;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        double u = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += u;
+    }
+    if (lane == 31) warp_sums[w] = incl;
     __syncthreads();
-    if (t == 0) {
-        double total = 0.0;
-        for (int k = 0; k < (int)blockDim.x; k++) total += sums[k];
-        target = r * total;
-        double acc = 0.0;
-        int c = -1, last = 0;
-        for (int k = 0; k < (int)blockDim.x; k++) {
-            if (sums[k] > 0.0) {
-                if (target < acc + sums[k]) {
-                    c = k;
-                    break;
-                }
-                last = k;
-                acc += sums[k];
-            }
+    if (w == 0) {
+        double v = lane < nw ? warp_sums[lane] : 0.0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            double u = __shfl_up_sync(0xffffffffu, v, o);
+            if (lane >= o) v += u;
         }
-        // Rounding left the target beyond the total: the last chunk with weight, walked whole.
-        if (c < 0) {
-            c = last;
-            acc -= sums[last];
-            target = INFINITY;
-        }
-        chunk = c;
-        before = acc;
+        if (lane < nw) warp_sums[lane] = v;
     }
     __syncthreads();
-    if (t == chunk) {
-        double acc = before;
+    double before_warp = w > 0 ? warp_sums[w - 1] : 0.0;
+    incl += before_warp;
+    double excl = incl - s, target = r * warp_sums[nw - 1];
+    // The first chunk with weight whose running sum passes the target; else (rounding left the
+    // target beyond the total) the last chunk with weight, walked whole.
+    if (s > 0.0 && target < incl) atomicMin(&chunk, t);
+    if (s > 0.0) atomicMax(&last, t);
+    __syncthreads();
+    int c = chunk == 0x7fffffff ? last : chunk;
+    if (c < 0) c = 0;  // no weight at all (only NaN): the first token, as below
+    if (t == c) {
+        double acc = excl, goal = chunk == 0x7fffffff ? INFINITY : target;
         unsigned pick = (unsigned)lo;
         for (int i = lo; i < hi; i++) {
-            float w = sample_weight(logits[i], m, floor, scale);
-            if (w == 0.f) continue;
-            acc += (double)w;
+            float wt = sample_weight(logits[i], m, floor, scale);
+            if (wt == 0.f) continue;
+            acc += (double)wt;
             pick = (unsigned)i;
-            if (target < acc) break;
+            if (goal < acc) break;
         }
-        *out = pick;
+        picked = pick;
+    }
+    __syncthreads();
+    return picked;
+}
+
+// Only the token id leaves the GPU.
+extern "C" __global__ void __launch_bounds__(1024) sample_temperature(const float* logits, int n, float temperature, double r, unsigned* out) {
+    unsigned id = draw_temperature(logits, n, temperature, r);
+    if (threadIdx.x == 0) *out = id;
+}
+
+// The first of the largest logits (NaN never wins; only NaN: token 0, as the CPU sampler's
+// `argmax` says), for every thread of the block. Each thread reads float4s in turn, four in
+// flight (the logits are in L2: the latency of one load at a time, not bandwidth, bounds it).
+__device__ unsigned row_argmax(const float* logits, int n) {
+    __shared__ float best_v[32];
+    __shared__ int best_i[32];
+    int lane = threadIdx.x & 31, nw = (blockDim.x + 31) >> 5;
+    float v = -INFINITY;
+    int at = -1;
+    // Indices reach a thread in increasing order, so a strict > keeps the first of equal values.
+    auto consider = [&](float l, int i) {
+        if (l > v || (at < 0 && l == l)) v = l, at = i;
+    };
+    int vec = ((uintptr_t)logits & 15) == 0 ? n >> 2 : 0;
+    const float4* l4 = reinterpret_cast<const float4*>(logits);
+#pragma unroll 4
+    for (int i = threadIdx.x; i < vec; i += blockDim.x) {
+        float4 q = l4[i];
+        consider(q.x, 4 * i), consider(q.y, 4 * i + 1), consider(q.z, 4 * i + 2), consider(q.w, 4 * i + 3);
+    }
+    for (int i = 4 * vec + threadIdx.x; i < n; i += blockDim.x) consider(logits[i], i);
+    // (v, at) takes (ov, oa) when that is larger, or equal at a lower index; none (-1) loses.
+    auto take = [&](float ov, int oa) {
+        if (oa >= 0 && (at < 0 || ov > v || (ov == v && oa < at))) v = ov, at = oa;
+    };
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) take(__shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, at, o));
+    if (lane == 0) best_v[threadIdx.x >> 5] = v, best_i[threadIdx.x >> 5] = at;
+    __syncthreads();
+    for (int w = 0; w < nw; w++) take(best_v[w], best_i[w]);
+    return at < 0 ? 0u : (unsigned)at;
+}
+
+// The argmax of a row of logits (greedy decoding's pick where the host waits for it).
+extern "C" __global__ void __launch_bounds__(1024) argmax_row(const float* logits, int n, unsigned* out) {
+    unsigned id = row_argmax(logits, n);
+    if (threadIdx.x == 0) *out = id;
+}
+
+// The next token of a sequence decoded on the GPU: the argmax (temperature 0) or a temperature
+// draw with `r`, written where the next step's embedding reads it (`next`) and into page-locked
+// host memory (`host`, mapped) for the host to read once this kernel is done. With `step` (the
+// step's arguments) it also advances them to the next step: position + 1 and the next tag
+// (word `tag_at`, 1 after 2^32 - 1 as the host counts), so that the host need not upload them.
+// One block of 1024.
+extern "C" __global__ void __launch_bounds__(1024) pick_token(const float* logits, int n, float temperature, double r, unsigned* next, unsigned* host, unsigned long long* step, int tag_at) {
+    unsigned id = temperature == 0.f ? row_argmax(logits, n) : draw_temperature(logits, n, temperature, r);
+    if (threadIdx.x == 0) {
+        *next = id;
+        *(volatile unsigned*)host = id;
+        if (step) {
+            step[0] += 1;
+            unsigned long long tag = step[tag_at] + 1;
+            step[tag_at] = tag > 0xffffffffull ? 1 : tag;
+        }
     }
 }
 

@@ -10,8 +10,11 @@ use std::time::{Duration, Instant};
 
 use candle_core::D;
 
+use super::cache::ShardCache;
+use super::chained::ChainedDecode;
 use super::model::LoadedModel;
-use super::shard::{ShardInput, ShardOutput};
+use super::sampler::{Sampler, SamplingParams};
+use super::shard::{Shard, ShardInput, ShardOutput};
 use super::{EngineError, Result};
 
 #[derive(Debug, Clone)]
@@ -78,10 +81,7 @@ pub fn run(model: &LoadedModel, opts: &BenchOptions) -> Result<BenchReport> {
     {
         let mut cache = shard.new_cache();
         shard.forward(ShardInput::Tokens(&prompt[..prompt.len().min(32)]), &mut cache, false)?;
-        let mut next = prompt[0];
-        for _ in 0..4 {
-            next = greedy(shard.forward(ShardInput::Tokens(&[next]), &mut cache, false)?)?;
-        }
+        decode(shard, &mut cache, prompt[0], 4)?;
     }
 
     let mut prefill_runs = Vec::new();
@@ -107,11 +107,9 @@ pub fn run(model: &LoadedModel, opts: &BenchOptions) -> Result<BenchReport> {
     let mut decode_runs = Vec::new();
     for _ in 0..opts.repetitions {
         let mut cache = shard.new_cache();
-        let mut next = greedy(shard.forward(ShardInput::Tokens(&short), &mut cache, false)?)?;
+        let first = greedy(shard.forward(ShardInput::Tokens(&short), &mut cache, false)?)?;
         let t0 = Instant::now();
-        for _ in 0..opts.gen_tokens {
-            next = greedy(shard.forward(ShardInput::Tokens(&[next]), &mut cache, false)?)?;
-        }
+        decode(shard, &mut cache, first, opts.gen_tokens)?;
         decode_runs.push(opts.gen_tokens as f64 / t0.elapsed().as_secs_f64());
         mem_bw_runs.push(probe()?);
     }
@@ -134,6 +132,27 @@ pub fn run(model: &LoadedModel, opts: &BenchOptions) -> Result<BenchReport> {
         roofline_fraction: median(&roofline_runs),
         roofline_runs,
     })
+}
+
+/// `n` greedy decode steps from `first`, as generation takes them (on a GPU that picks the
+/// tokens itself, one step ahead of the host: `ChainedDecode`); returns the last token.
+fn decode(shard: &Shard, cache: &mut ShardCache, first: u32, n: usize) -> Result<u32> {
+    let mut sampler = Sampler::new(SamplingParams::greedy())?;
+    let mut next = first;
+    match ChainedDecode::new(shard, &sampler)? {
+        Some(mut chained) => {
+            for i in 0..n {
+                next = chained.next(next, i + 1 < n, cache, &mut sampler)?;
+            }
+            chained.finish(cache);
+        }
+        None => {
+            for _ in 0..n {
+                next = greedy(shard.forward(ShardInput::Tokens(&[next]), cache, false)?)?;
+            }
+        }
+    }
+    Ok(next)
 }
 
 fn greedy(out: ShardOutput) -> Result<u32> {

@@ -16,7 +16,7 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use candle_core::cuda_backend::cudarc::driver::{sys, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{sys, CudaEvent, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice, PushKernelArg};
 use candle_core::quantized::{GgmlDType, QMatMul};
 use candle_core::{DType, Device, Storage, Tensor};
 
@@ -122,7 +122,8 @@ struct EmbedArgs {
     fmt: i32,
     cols: i32,
     scale: f32,
-    token: u64,
+    /// Where the step's token id is found: the address of a u32 (`StepArgs`' last word).
+    token_at: u64,
     out: u64,
 }
 
@@ -143,8 +144,9 @@ struct Buffers {
     /// The residual stream (hidden f32).
     x: Tensor,
     /// What a step reads from the host: the position, then per layer the key and value cache
-    /// addresses and their capacity (`KvSlot` in decode.cu), then the step's tag (see `tags`)
-    /// and the token id (`step_token`), written before the step's kernels.
+    /// addresses and their capacity (`KvSlot` in decode.cu), then the step's tag (see `tags`),
+    /// the token id (`step_token`) and the address the embedding reads the id from (that word,
+    /// or a `DeviceChain`'s pick), written before the step's kernels.
     step: CudaSlice<u64>,
     /// The latest step's tag: steps taken, from 1 (tagged buffers start zeroed).
     tag: u32,
@@ -154,7 +156,20 @@ struct Buffers {
     /// `SHOAL_FUSED_TRACE=1`: the block timeline records of the latest step (`trace_block` in
     /// decode.cu), and the steps taken.
     trace: Option<(CudaSlice<u64>, u64)>,
+    /// Page-locked copies of `step` for its uploads, used in turn, each with an event recorded
+    /// after its copy. A copy from pageable memory may wait for the stream to drain, which would
+    /// stop the host from queueing a step while the previous one runs (`DeviceChain`).
+    uploads: Vec<(PinnedHostSlice<u64>, CudaEvent)>,
+    /// Uploads so far.
+    uploaded: usize,
+    /// What `step` holds once the queued work has run, where known: the last upload, advanced
+    /// by the chained picks after it. A chained step whose arguments are these needs no upload.
+    on_device: Option<Vec<u64>>,
 }
+
+/// Page-locked copies of a step's arguments (`Buffers::uploads`): with a step queued ahead, the
+/// copy of one may still wait in the stream while the next is written.
+const UPLOAD_SLOTS: usize = 4;
 
 /// Where a launch sits in a layer, for the profile and the trace.
 const KIND_NAMES: [&str; 8] = ["qkv", "attend", "o", "gate/up", "down", "head", "add_norm", "embed"];
@@ -247,6 +262,62 @@ fn trace_summary(records: &[u64], kinds: &[usize]) -> String {
 struct Captured(CudaGraph);
 // SAFETY: only reached through `FusedDecode::buffers`' mutex (see above).
 unsafe impl Send for Captured {}
+
+/// Where a step's input comes from.
+#[derive(Clone, Copy)]
+enum TokenSource {
+    /// The row in `Buffers::x` (`step`).
+    Row,
+    /// A token id the host knows (`step_token`, a chain's first step).
+    Host(u32),
+    /// The id a `DeviceChain`'s previous pick wrote at this device address.
+    Device(u64),
+}
+
+/// One sequence decoded with each next token picked on the GPU (`pick_token`) and fed from
+/// there into the following step, so that the host queues a step before it has read the token
+/// its input is: the GPU never idles between steps for the host's round trip.
+/// Steps `k` and `k + 1` write their picks into alternate words of mapped page-locked memory;
+/// the host reads step `k`'s once its event has fired (`picked`), before it queues `k + 2`.
+pub struct DeviceChain {
+    stream: Arc<CudaStream>,
+    /// The latest pick, where the next step's embedding reads it.
+    next: CudaSlice<u32>,
+    /// Two words, mapped: the picks of even and odd steps (held for `host_ptr`, `host_dev`).
+    _host: PinnedHostSlice<u32>,
+    host_ptr: *const u32,
+    host_dev: u64,
+    done: [CudaEvent; 2],
+    /// Steps queued so far.
+    queued: u64,
+    pick: CudaFunction,
+    vocab: i32,
+    /// Whether picks advance the step's arguments on the device (`queue_chained`).
+    advance: bool,
+}
+
+// SAFETY: `host_ptr` points into `host`, which the chain owns; nothing else aliases it.
+unsafe impl Send for DeviceChain {}
+
+impl DeviceChain {
+    /// Waits for step `k`'s pick (`queue_chained`'s number), which must be one of the last two
+    /// queued, and returns the token.
+    pub fn picked(&self, k: u64) -> Result<u32> {
+        if k >= self.queued || k + 2 < self.queued {
+            return Err(EngineError::Shard(format!("step {k} of a chain with {} queued has no pick to read", self.queued)));
+        }
+        self.done[(k % 2) as usize].synchronize().map_err(driver)?;
+        // SAFETY: word k % 2 of the two in `host`; the event says the pick that wrote it is done.
+        Ok(unsafe { std::ptr::read_volatile(self.host_ptr.add((k % 2) as usize)) })
+    }
+}
+
+impl Drop for DeviceChain {
+    /// Queued steps may still write the pick words (and the caches): wait for them first.
+    fn drop(&mut self) {
+        let _ = self.stream.synchronize();
+    }
+}
 
 pub struct FusedDecode {
     stream: Arc<CudaStream>,
@@ -351,6 +422,22 @@ fn row_kernel(logits: &Tensor, name: &str) -> Result<(CudaFunction, Arc<CudaStre
     let cuda = logits.device().as_cuda_device()?;
     let f = cuda.get_or_load_custom_func(name, MODULE, PTX)?.into_cuda_function();
     Ok((f, cuda.cuda_stream(), logits.to_dtype(DType::F32)?.contiguous()?))
+}
+
+/// The first of the largest logits of a row on a GPU (`argmax_row` in decode.cu, the CPU
+/// sampler's `argmax`); only the token id is copied to the host.
+pub fn argmax(logits: &Tensor) -> Result<u32> {
+    let (f, stream, logits) = row_kernel(logits, "argmax_row")?;
+    let (ptr, n) = (tensor_ptr(&logits)?, logits.elem_count() as i32);
+    let mut out = stream.alloc_zeros::<u32>(1).map_err(driver)?;
+    let mut launch = stream.launch_builder(&f);
+    launch.arg(&ptr).arg(&n).arg(&mut out);
+    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's (a pointer to `n` f32 values kept alive by
+    // `logits`, n, one u32 out).
+    unsafe { launch.launch(cfg) }.map_err(driver)?;
+    let id = stream.clone_dtoh(&out).map_err(driver)?;
+    id.first().copied().ok_or_else(|| unsupported("no token came back"))
 }
 
 /// Draws a token from a row of logits on a GPU (`sample_temperature` in decode.cu): the CPU
@@ -631,8 +718,9 @@ impl FusedDecode {
         let mut p = Planner { device, keep: Vec::new(), max_smem: 0, smem_limit: optin };
         let x_t = Tensor::zeros(hidden, DType::F32, device)?;
         let x = tensor_ptr(&x_t)?;
-        // The position, each layer's KV buffers (keys, values, capacity), the tag, the token id.
-        let step = stream.alloc_zeros::<u64>(3 + 3 * layers.len()).map_err(driver)?;
+        // The position, each layer's KV buffers (keys, values, capacity), the tag, the token id
+        // and its address.
+        let step = stream.alloc_zeros::<u64>(4 + 3 * layers.len()).map_err(driver)?;
         let step_ptr = step.device_ptr(&stream).0;
         // q/k/v, attention's and gate/up's outputs are tagged (`load_tagged` in decode.cu): the
         // next kernel reads each value as it is written instead of waiting for the last block.
@@ -651,8 +739,8 @@ impl FusedDecode {
         let mut launches = Vec::new();
         let embed_rows = match embed.map(|(table, scale)| embed_args(table, scale, dtype, hidden)).transpose()?.flatten() {
             Some(args) => {
-                let token = step_ptr + 8 * (2 + 3 * layers.len() as u64);
-                launches.push(Launch::Embed { args: EmbedArgs { token, out: x, ..args } });
+                let token_at = step_ptr + 8 * (3 + 3 * layers.len() as u64);
+                launches.push(Launch::Embed { args: EmbedArgs { token_at, out: x, ..args } });
                 embed.map(|(table, _)| table.rows())
             }
             None => None,
@@ -798,6 +886,12 @@ impl FusedDecode {
             }
             false => None,
         };
+        let mut uploads = Vec::with_capacity(UPLOAD_SLOTS);
+        for _ in 0..UPLOAD_SLOTS {
+            // SAFETY: a slot is written (`queue`) before any copy reads it.
+            let staged = unsafe { ctx.alloc_pinned::<u64>(4 + 3 * layers.len()) }.map_err(driver)?;
+            uploads.push((staged, ctx.new_event(None).map_err(driver)?));
+        }
         Ok(FusedDecode {
             stream,
             mv,
@@ -818,7 +912,7 @@ impl FusedDecode {
             preload: tuned("PRELOAD", 1) != 0,
             kinds,
             overlap,
-            buffers: Mutex::new(Buffers { x: x_t, step, tag: 0, logits, graph: None, trace }),
+            buffers: Mutex::new(Buffers { x: x_t, step, tag: 0, logits, graph: None, trace, uploads, uploaded: 0, on_device: None }),
             _keep: p.keep,
             enabled: AtomicBool::new(enabled),
             use_graph: use_graph && profile.is_none(),
@@ -864,8 +958,19 @@ impl FusedDecode {
 
     /// The step itself, its input in `b.x` or (`token`) to be embedded by its first kernel.
     fn run(&self, mut b: std::sync::MutexGuard<'_, Buffers>, token: Option<u32>, cache: &mut ShardCache) -> Result<Tensor> {
+        self.queue(&mut b, token.map_or(TokenSource::Row, TokenSource::Host), cache)?;
+        match &b.logits {
+            // The next step overwrites the buffers: hand out a copy.
+            Some(l) => Ok(l.copy()?),
+            None => Ok(b.x.copy()?.reshape((1, 1, self.hidden))?),
+        }
+    }
+
+    /// Queues one step on the stream (its arguments, then the captured graph) and counts its
+    /// position as written; nothing waits for it.
+    fn queue(&self, b: &mut Buffers, input: TokenSource, cache: &mut ShardCache) -> Result<()> {
         let pos = cache.position();
-        let mut step = Vec::with_capacity(3 + 3 * self.kv.len());
+        let mut step = Vec::with_capacity(4 + 3 * self.kv.len());
         step.push(pos as u64);
         for (lc, &(kv_heads, d, dtype)) in cache.layers.iter_mut().zip(&self.kv) {
             let (k, v) = lc.reserve(pos + 1, kv_heads, d, dtype, &self.device)?;
@@ -874,8 +979,26 @@ impl FusedDecode {
         // A tag no value of the last 2^32 - 1 steps carries (0 is the zeroed buffers').
         b.tag = b.tag.checked_add(1).unwrap_or(1);
         step.push(u64::from(b.tag));
-        step.push(u64::from(token.unwrap_or(0)));
-        self.stream.memcpy_htod(&step, &mut b.step).map_err(driver)?;
+        let own_word = b.step.device_ptr(&self.stream).0 + 8 * step.len() as u64;
+        let (token, token_at) = match input {
+            TokenSource::Row => (0, 0),
+            TokenSource::Host(id) => (id, own_word),
+            TokenSource::Device(at) => (0, at),
+        };
+        step.extend([u64::from(token), token_at]);
+        // A chained step after a chained step of the same sequence: the pick between them
+        // advanced the arguments on the device, and (unless a cache grew) they are these.
+        if !matches!(input, TokenSource::Device(_)) || b.on_device.as_ref() != Some(&step) {
+            let Buffers { uploads, uploaded, step: args, .. } = &mut *b;
+            let (staged, copied) = &mut uploads[*uploaded % UPLOAD_SLOTS];
+            *uploaded += 1;
+            // The copy from this slot UPLOAD_SLOTS uploads ago has long run; make sure.
+            copied.synchronize().map_err(driver)?;
+            staged.as_mut_slice().map_err(driver)?[..step.len()].copy_from_slice(&step);
+            self.stream.memcpy_htod(staged, args).map_err(driver)?;
+            copied.record(&self.stream).map_err(driver)?;
+            b.on_device = Some(step);
+        }
         let trace = match &mut b.trace {
             Some((t, _)) => {
                 self.stream.memcpy_htod(&[0u64], &mut t.slice_mut(0..1)).map_err(driver)?;
@@ -906,11 +1029,81 @@ impl FusedDecode {
         for lc in cache.layers.iter_mut() {
             lc.advance(1);
         }
-        match &b.logits {
-            // The next step overwrites the buffers: hand out a copy.
-            Some(l) => Ok(l.copy()?),
-            None => Ok(b.x.copy()?.reshape((1, 1, self.hidden))?),
+        Ok(())
+    }
+
+    /// A sequence decoded by `queue_chained` from a whole model's step (it embeds its tokens and
+    /// ends with logits), picking among the first `vocab` logits.
+    pub fn chain(&self, vocab: usize) -> Result<DeviceChain> {
+        let logits = self.buffers.lock().unwrap_or_else(|e| e.into_inner()).logits.as_ref().map(Tensor::elem_count);
+        if !self.takes_tokens() || logits.is_none_or(|n| n < vocab) || vocab == 0 {
+            return Err(unsupported("only a whole model's step picks its own next token"));
         }
+        let cuda = self.device.as_cuda_device()?;
+        let pick = cuda.get_or_load_custom_func("pick_token", MODULE, PTX)?.into_cuda_function();
+        let ctx = self.stream.context();
+        // Mapped, so that `pick_token` writes the id straight into it (no copy queued behind it).
+        // SAFETY: each word is written by a pick before the host reads it (`picked`).
+        let host = unsafe { ctx.alloc_pinned_with_flags::<u32>(2, sys::CU_MEMHOSTALLOC_DEVICEMAP) }.map_err(driver)?;
+        let mut host_dev: sys::CUdeviceptr = 0;
+        let host_ptr = host.as_ptr().map_err(driver)?;
+        // SAFETY: `host_ptr` was allocated by cuMemHostAlloc with DEVICEMAP in this context.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut host_dev, host_ptr as *mut c_void, 0) }.result().map_err(driver)?;
+        Ok(DeviceChain {
+            stream: self.stream.clone(),
+            next: self.stream.alloc_zeros::<u32>(1).map_err(driver)?,
+            _host: host,
+            host_ptr,
+            host_dev,
+            done: [ctx.new_event(None).map_err(driver)?, ctx.new_event(None).map_err(driver)?],
+            queued: 0,
+            pick,
+            vocab: vocab as i32,
+            advance: std::env::var("SHOAL_CHAIN_ADVANCE").map_or(true, |v| v != "0"),
+        })
+    }
+
+    /// Queues a step of `chain`'s sequence and the pick of the token after it (temperature 0:
+    /// the argmax; else a draw with `r`), without waiting for anything: its input is `token`, or
+    /// (None) the token the previous queued step picks. Returns the step's number for `picked`.
+    pub fn queue_chained(&self, chain: &mut DeviceChain, token: Option<u32>, temperature: f32, r: f64, cache: &mut ShardCache) -> Result<u64> {
+        if !Arc::ptr_eq(&chain.stream, &self.stream) {
+            return Err(unsupported("a chain decodes on the stream it was made for"));
+        }
+        let input = match token {
+            Some(id) => {
+                check_token_ids(&[id], self.embed_rows.unwrap_or(0))?;
+                TokenSource::Host(id)
+            }
+            None if chain.queued == 0 => return Err(EngineError::Shard("a chain's first step needs its token".into())),
+            None => TokenSource::Device(chain.next.device_ptr(&self.stream).0),
+        };
+        let mut b = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
+        self.queue(&mut b, input, cache)?;
+        let logits = tensor_ptr(b.logits.as_ref().ok_or_else(|| unsupported("this step ends without logits"))?)?;
+        let k = chain.queued;
+        let (next, host) = (chain.next.device_ptr(&self.stream).0, chain.host_dev + 4 * (k % 2));
+        // The pick advances the arguments to the next step (position, tag) where `on_device`
+        // knows them; `SHOAL_CHAIN_ADVANCE=0`: every step uploads its own (a diagnostic).
+        let tag_at = 1 + 3 * self.kv.len();
+        let advance = chain.advance && b.on_device.is_some();
+        let args = if advance { b.step.device_ptr(&self.stream).0 } else { 0 };
+        let tag_at_i32 = tag_at as i32;
+        let mut launch = self.stream.launch_builder(&chain.pick);
+        launch.arg(&logits).arg(&chain.vocab).arg(&temperature).arg(&r).arg(&next).arg(&host).arg(&args).arg(&tag_at_i32);
+        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the arguments match `pick_token`'s: `vocab` f32 logits (checked at `chain`),
+        // one device word and one mapped host word, the step's arguments (whose tag is word
+        // `tag_at`) or null, all owned by `self` or `chain`, which waits for the stream before it
+        // lets them go.
+        unsafe { launch.launch(cfg) }.map_err(driver)?;
+        if let Some(a) = b.on_device.as_mut().filter(|_| advance) {
+            a[0] += 1;
+            a[tag_at] = if a[tag_at] >= u64::from(u32::MAX) { 1 } else { a[tag_at] + 1 };
+        }
+        chain.done[(k % 2) as usize].record(&self.stream).map_err(driver)?;
+        chain.queued += 1;
+        Ok(k)
     }
 
     /// Launches `f` on the step's stream, allowing it to overlap the previous kernel's end

@@ -4,6 +4,7 @@
 
 use std::time::Instant;
 
+use super::chained::ChainedDecode;
 use super::model::LoadedModel;
 use super::sampler::{Sampler, SamplingParams};
 use super::shard::{ShardInput, ShardOutput};
@@ -65,14 +66,26 @@ pub fn generate(model: &LoadedModel, req: &GenerationRequest, sink: &mut dyn FnM
     let mut history = prompt_ids.clone();
     let mut stream = TextStream::new(&model.text, &req.stop, prompt_ids.len(), started);
     let mut input: Vec<u32> = prompt_ids;
+    // After the prompt, where the GPU can pick the tokens itself (`ChainedDecode`).
+    let mut chained: Option<ChainedDecode> = None;
     let finish = loop {
-        if stream.usage.completion_tokens >= budget {
+        let done = stream.usage.completion_tokens;
+        if done >= budget {
             break FinishReason::Length;
         }
-        let ShardOutput::Logits(logits) = model.shard.forward(ShardInput::Tokens(&input), &mut cache, false)? else {
-            return Err(EngineError::Shard("a single-node model must end with logits".into()));
+        let id = match &mut chained {
+            Some(c) => c.next(input[0], done + 1 < budget, &mut cache, &mut sampler)?,
+            None => {
+                let ShardOutput::Logits(logits) = model.shard.forward(ShardInput::Tokens(&input), &mut cache, false)? else {
+                    return Err(EngineError::Shard("a single-node model must end with logits".into()));
+                };
+                let id = sampler.sample_logits(&logits.squeeze(0)?, &history)?;
+                if done == 0 {
+                    chained = ChainedDecode::new(&model.shard, &sampler)?;
+                }
+                id
+            }
         };
-        let id = sampler.sample_logits(&logits.squeeze(0)?, &history)?;
         history.push(id);
         match stream.token(id)? {
             TokenText::StopToken => break FinishReason::Stop,
@@ -87,6 +100,9 @@ pub fn generate(model: &LoadedModel, req: &GenerationRequest, sink: &mut dyn FnM
         }
         input = vec![id];
     };
+    if let Some(c) = chained {
+        c.finish(&mut cache);
+    }
     let (tail, usage) = stream.finish(finish)?;
     if !tail.is_empty() {
         sink(GenerationEvent::Token { id: u32::MAX, text: tail });

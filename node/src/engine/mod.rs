@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod cache;
+pub mod chained;
 #[cfg(feature = "cuda")]
 pub mod cuda_decode;
 pub mod device;

@@ -112,6 +112,21 @@ impl Sampler {
         })
     }
 
+    /// The temperature a pick on the GPU takes for these settings (`pick_token` in decode.cu: 0
+    /// for the argmax, else a plain temperature draw), or `None` when penalties or cuts need the
+    /// host. Either way it picks what `sample_logits` picks from logits on a GPU.
+    pub fn device_temperature(&self) -> Option<f32> {
+        let p = &self.params;
+        let plain = !p.has_penalties() && p.top_k.is_none() && p.top_p >= 1.0 && p.min_p == 0.0;
+        (plain || (p.temperature == 0.0 && !p.has_penalties())).then_some(p.temperature)
+    }
+
+    /// The uniform draw a GPU pick takes: one a token from the generator for a temperature draw
+    /// (as `sample_logits` takes it), none for greedy decoding.
+    pub fn device_uniform(&mut self) -> f64 {
+        if self.params.temperature > 0.0 { self.rng.random::<f64>() } else { 0.0 }
+    }
+
     /// Picks the next token from a row of logits (rank 1) where the model left them (a GPU's memory, or
     /// the host's). On a GPU, plain greedy decoding reads only the argmax; on CUDA a plain
     /// temperature draw runs there too, and top-k / top-p / min-p gather their candidates there
@@ -120,6 +135,10 @@ impl Sampler {
     pub fn sample_logits(&mut self, logits: &candle_core::Tensor, history: &[u32]) -> Result<u32> {
         let p = &self.params;
         if p.temperature == 0.0 && !p.has_penalties() && !logits.device().is_cpu() {
+            #[cfg(feature = "cuda")]
+            if logits.device().is_cuda() {
+                return super::cuda_decode::argmax(logits);
+            }
             return Ok(logits.argmax(0)?.to_scalar::<u32>()?);
         }
         #[cfg(feature = "cuda")]

@@ -200,12 +200,18 @@ impl Shard {
         let _ = on;
     }
 
+    /// The fused GPU step, where these layers have one.
+    #[cfg(feature = "cuda")]
+    pub(super) fn fused(&self) -> Option<&super::cuda_decode::FusedDecode> {
+        self.fused.as_ref()
+    }
+
     pub fn new_cache(&self) -> ShardCache {
         ShardCache::new(self.layers.len(), &self.device)
     }
 
     /// An error when `t` more positions after `start` would not fit the model's context.
-    fn check_context(&self, start: usize, t: usize) -> Result<()> {
+    pub(super) fn check_context(&self, start: usize, t: usize) -> Result<()> {
         if start + t > self.spec.context_length {
             return Err(EngineError::PromptTooLong { prompt_tokens: start + t, context: self.spec.context_length });
         }
