@@ -1594,20 +1594,12 @@ extern "C" __global__ void __launch_bounds__(1024) argmax_row(const float* logit
 
 // The next token of a sequence decoded on the GPU: the argmax (temperature 0) or a temperature
 // draw with `r`, written where the next step's embedding reads it (`next`) and into page-locked
-// host memory (`host`, mapped) for the host to read once this kernel is done. With `step` (the
-// step's arguments) it also advances them to the next step: position + 1 and the next tag
-// (word `tag_at`, 1 after 2^32 - 1 as the host counts), so that the host need not upload them.
-// One block of 1024.
-extern "C" __global__ void __launch_bounds__(1024) pick_token(const float* logits, int n, float temperature, double r, unsigned* next, unsigned* host, unsigned long long* step, int tag_at) {
+// host memory (`host`, mapped) for the host to read once this kernel is done. One block of 1024.
+extern "C" __global__ void __launch_bounds__(1024) pick_token(const float* logits, int n, float temperature, double r, unsigned* next, unsigned* host) {
     unsigned id = temperature == 0.f ? row_argmax(logits, n) : draw_temperature(logits, n, temperature, r);
     if (threadIdx.x == 0) {
         *next = id;
         *(volatile unsigned*)host = id;
-        if (step) {
-            step[0] += 1;
-            unsigned long long tag = step[tag_at] + 1;
-            step[tag_at] = tag > 0xffffffffull ? 1 : tag;
-        }
     }
 }
 

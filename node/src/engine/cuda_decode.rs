@@ -122,7 +122,7 @@ struct EmbedArgs {
     fmt: i32,
     cols: i32,
     scale: f32,
-    /// Where the step's token id is found: the address of a u32 (`StepArgs`' last word).
+    /// Where the step's token id is found: the address of a u32 (the step arguments' last word).
     token_at: u64,
     out: u64,
 }
@@ -162,9 +162,6 @@ struct Buffers {
     uploads: Vec<(PinnedHostSlice<u64>, CudaEvent)>,
     /// Uploads so far.
     uploaded: usize,
-    /// What `step` holds once the queued work has run, where known: the last upload, advanced
-    /// by the chained picks after it. A chained step whose arguments are these needs no upload.
-    on_device: Option<Vec<u64>>,
 }
 
 /// Page-locked copies of a step's arguments (`Buffers::uploads`): with a step queued ahead, the
@@ -292,8 +289,6 @@ pub struct DeviceChain {
     queued: u64,
     pick: CudaFunction,
     vocab: i32,
-    /// Whether picks advance the step's arguments on the device (`queue_chained`).
-    advance: bool,
 }
 
 // SAFETY: `host_ptr` points into `host`, which the chain owns; nothing else aliases it.
@@ -912,7 +907,7 @@ impl FusedDecode {
             preload: tuned("PRELOAD", 1) != 0,
             kinds,
             overlap,
-            buffers: Mutex::new(Buffers { x: x_t, step, tag: 0, logits, graph: None, trace, uploads, uploaded: 0, on_device: None }),
+            buffers: Mutex::new(Buffers { x: x_t, step, tag: 0, logits, graph: None, trace, uploads, uploaded: 0 }),
             _keep: p.keep,
             enabled: AtomicBool::new(enabled),
             use_graph: use_graph && profile.is_none(),
@@ -986,19 +981,14 @@ impl FusedDecode {
             TokenSource::Device(at) => (0, at),
         };
         step.extend([u64::from(token), token_at]);
-        // A chained step after a chained step of the same sequence: the pick between them
-        // advanced the arguments on the device, and (unless a cache grew) they are these.
-        if !matches!(input, TokenSource::Device(_)) || b.on_device.as_ref() != Some(&step) {
-            let Buffers { uploads, uploaded, step: args, .. } = &mut *b;
-            let (staged, copied) = &mut uploads[*uploaded % UPLOAD_SLOTS];
-            *uploaded += 1;
-            // The copy from this slot UPLOAD_SLOTS uploads ago has long run; make sure.
-            copied.synchronize().map_err(driver)?;
-            staged.as_mut_slice().map_err(driver)?[..step.len()].copy_from_slice(&step);
-            self.stream.memcpy_htod(staged, args).map_err(driver)?;
-            copied.record(&self.stream).map_err(driver)?;
-            b.on_device = Some(step);
-        }
+        let Buffers { uploads, uploaded, step: args, .. } = &mut *b;
+        let (staged, copied) = &mut uploads[*uploaded % UPLOAD_SLOTS];
+        *uploaded += 1;
+        // The copy from this slot UPLOAD_SLOTS uploads ago has long run; make sure.
+        copied.synchronize().map_err(driver)?;
+        staged.as_mut_slice().map_err(driver)?[..step.len()].copy_from_slice(&step);
+        self.stream.memcpy_htod(staged, args).map_err(driver)?;
+        copied.record(&self.stream).map_err(driver)?;
         let trace = match &mut b.trace {
             Some((t, _)) => {
                 self.stream.memcpy_htod(&[0u64], &mut t.slice_mut(0..1)).map_err(driver)?;
@@ -1059,7 +1049,6 @@ impl FusedDecode {
             queued: 0,
             pick,
             vocab: vocab as i32,
-            advance: std::env::var("SHOAL_CHAIN_ADVANCE").map_or(true, |v| v != "0"),
         })
     }
 
@@ -1083,24 +1072,13 @@ impl FusedDecode {
         let logits = tensor_ptr(b.logits.as_ref().ok_or_else(|| unsupported("this step ends without logits"))?)?;
         let k = chain.queued;
         let (next, host) = (chain.next.device_ptr(&self.stream).0, chain.host_dev + 4 * (k % 2));
-        // The pick advances the arguments to the next step (position, tag) where `on_device`
-        // knows them; `SHOAL_CHAIN_ADVANCE=0`: every step uploads its own (a diagnostic).
-        let tag_at = 1 + 3 * self.kv.len();
-        let advance = chain.advance && b.on_device.is_some();
-        let args = if advance { b.step.device_ptr(&self.stream).0 } else { 0 };
-        let tag_at_i32 = tag_at as i32;
         let mut launch = self.stream.launch_builder(&chain.pick);
-        launch.arg(&logits).arg(&chain.vocab).arg(&temperature).arg(&r).arg(&next).arg(&host).arg(&args).arg(&tag_at_i32);
+        launch.arg(&logits).arg(&chain.vocab).arg(&temperature).arg(&r).arg(&next).arg(&host);
         let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: the arguments match `pick_token`'s: `vocab` f32 logits (checked at `chain`),
-        // one device word and one mapped host word, the step's arguments (whose tag is word
-        // `tag_at`) or null, all owned by `self` or `chain`, which waits for the stream before it
-        // lets them go.
+        // one device word and one mapped host word, all owned by `self` or `chain`, which waits
+        // for the stream before it lets them go.
         unsafe { launch.launch(cfg) }.map_err(driver)?;
-        if let Some(a) = b.on_device.as_mut().filter(|_| advance) {
-            a[0] += 1;
-            a[tag_at] = if a[tag_at] >= u64::from(u32::MAX) { 1 } else { a[tag_at] + 1 };
-        }
         chain.done[(k % 2) as usize].record(&self.stream).map_err(driver)?;
         chain.queued += 1;
         Ok(k)
