@@ -28,7 +28,7 @@
 //!     decoding one step ahead of the host (`ChainedDecode`: the GPU picks each token and feeds
 //!     the next step) gives the tokens the host loop gives, greedy and with a seeded temperature
 //!     draw, directly and through `generate`, and leaves the cache where the host loop does; with
-//!     the milliseconds per token of both ways;
+//!     the milliseconds per token of both ways; top-k / top-p settings stay on the host loop;
 //!   device_check sample [--device cuda] [--draws 3000]
 //!     sampling from logits on the GPU (a plain temperature draw there, or candidates gathered
 //!     there for top-k / top-p / min-p) against the CPU sampler, fed the same logits and the same
@@ -343,55 +343,74 @@ fn main() -> anyhow::Result<()> {
             let n: usize = flag(&args, "--tokens").map(|t| t.parse()).transpose()?.unwrap_or(64);
             let m = LoadedModel::load(model.as_ref(), &LoadOptions { device: device.clone(), ..LoadOptions::default() })?;
             let prompt = m.text.encode_prompt(&flag(&args, "--prompt").unwrap_or_else(|| "The capital of France is".into()))?;
-            let settings = [("greedy", SamplingParams::greedy()), ("temperature 0.8", SamplingParams { temperature: 0.8, seed: Some(3), ..SamplingParams::default() })];
-            for (name, params) in settings {
-                // n tokens after the prompt; the step loop's ms per token; the cache's positions after.
-                let decode = |chained: bool| -> anyhow::Result<(Vec<u32>, f64, usize)> {
-                    let mut sampler = Sampler::new(params.clone())?;
-                    let mut cache = m.shard.new_cache();
-                    let ShardOutput::Logits(l) = m.shard.forward(ShardInput::Tokens(&prompt), &mut cache, false)? else { bail!("no logits") };
-                    let mut ids = vec![sampler.sample_logits(&l.squeeze(0)?, &[])?];
-                    let t0 = std::time::Instant::now();
-                    if chained {
-                        let mut c = ChainedDecode::new(&m.shard, &sampler)?.context("no chained decoding for this model on this device")?;
-                        for i in 1..n {
-                            let id = c.next(ids[i - 1], i + 1 < n, &mut cache, &mut sampler)?;
-                            ids.push(id);
-                        }
-                        c.finish(&mut cache);
-                    } else {
-                        for i in 1..n {
-                            let ShardOutput::Logits(l) = m.shard.forward(ShardInput::Tokens(&[ids[i - 1]]), &mut cache, false)? else { bail!("no logits") };
-                            let id = sampler.sample_logits(&l.squeeze(0)?, &ids)?;
-                            ids.push(id);
-                        }
+            // n tokens after the prompt, stepped by the host or chained on the device; the step
+            // loop's ms per token; the cache's positions after.
+            let decode = |params: &SamplingParams, chained: bool| -> anyhow::Result<(Vec<u32>, f64, usize)> {
+                let mut sampler = Sampler::new(params.clone())?;
+                let mut cache = m.shard.new_cache();
+                let ShardOutput::Logits(l) = m.shard.forward(ShardInput::Tokens(&prompt), &mut cache, false)? else { bail!("no logits") };
+                let mut ids = vec![sampler.sample_logits(&l.squeeze(0)?, &[])?];
+                let t0 = std::time::Instant::now();
+                if chained {
+                    let mut c = ChainedDecode::new(&m.shard, &sampler)?.context("no chained decoding for this model on this device")?;
+                    for i in 1..n {
+                        let id = c.next(ids[i - 1], i + 1 < n, &mut cache, &mut sampler)?;
+                        ids.push(id);
                     }
-                    Ok((ids, t0.elapsed().as_secs_f64() * 1e3 / (n - 1).max(1) as f64, cache.position()))
-                };
-                let ((host, host_ms, host_pos), (chain, chain_ms, chain_pos)) = (decode(false)?, decode(true)?);
-                // And through `generate`, which takes the chained path after the prompt.
+                    c.finish(&mut cache);
+                } else {
+                    for i in 1..n {
+                        let ShardOutput::Logits(l) = m.shard.forward(ShardInput::Tokens(&[ids[i - 1]]), &mut cache, false)? else { bail!("no logits") };
+                        let id = sampler.sample_logits(&l.squeeze(0)?, &ids)?;
+                        ids.push(id);
+                    }
+                }
+                Ok((ids, t0.elapsed().as_secs_f64() * 1e3 / (n - 1).max(1) as f64, cache.position()))
+            };
+            // The same through `generate` (chained after the prompt where the GPU can pick).
+            let generated = |params: &SamplingParams| -> anyhow::Result<Vec<u32>> {
                 let request = GenerationRequest { prompt: Prompt::Tokens(prompt.clone()), sampling: params.clone(), max_tokens: Some(n), stop: vec![] };
-                let mut generated = Vec::new();
+                let mut ids = Vec::new();
                 generate(&m, &request, &mut |e| {
                     if let GenerationEvent::Token { id, .. } = e {
-                        generated.extend((id != u32::MAX).then_some(id));
+                        ids.extend((id != u32::MAX).then_some(id));
                     }
                     true
                 })?;
-                let same = host == chain && host_pos == chain_pos && host.starts_with(&generated) && !generated.is_empty();
+                Ok(ids)
+            };
+            let settings = [("greedy", SamplingParams::greedy()), ("temperature 0.8", SamplingParams { temperature: 0.8, seed: Some(3), ..SamplingParams::default() })];
+            for (name, params) in settings {
+                let ((host, host_ms, host_pos), (chain, chain_ms, chain_pos)) = (decode(&params, false)?, decode(&params, true)?);
+                let via_generate = generated(&params)?;
+                let same = host == chain && host_pos == chain_pos && host.starts_with(&via_generate) && !via_generate.is_empty();
                 println!(
                     "{} {name}: {n} tokens chained on the device {} the host loop's ({} through generate, which {}); cache positions {chain_pos} and {host_pos}; {chain_ms:.3} against {host_ms:.3} ms a token ({:.2}x)",
                     if same { "PASS" } else { "FAIL" },
                     if host == chain { "equal to" } else { "DIFFER from" },
-                    generated.len(),
-                    if host.starts_with(&generated) { "agree" } else { "DIFFER" },
+                    via_generate.len(),
+                    if host.starts_with(&via_generate) { "agree" } else { "DIFFER" },
                     host_ms / chain_ms
                 );
                 if !same {
-                    println!("  host    {host:?}\n  chained {chain:?}\n  generate {generated:?}");
+                    println!("  host    {host:?}\n  chained {chain:?}\n  generate {via_generate:?}");
                 }
                 failures += usize::from(!same);
             }
+            // Cuts the host makes (top-k, top-p) keep the host loop: no chain, the same tokens.
+            let cut = SamplingParams { temperature: 0.8, top_k: Some(40), top_p: 0.9, seed: Some(3), ..SamplingParams::default() };
+            let unchained = ChainedDecode::new(&m.shard, &Sampler::new(cut.clone())?)?.is_none();
+            let (host, host_ms, _) = decode(&cut, false)?;
+            let via_generate = generated(&cut)?;
+            let ok = unchained && host.starts_with(&via_generate) && !via_generate.is_empty();
+            println!(
+                "{} top-k 40, top-p 0.9: {}; {} tokens through generate {} the host loop's; {host_ms:.3} ms a token",
+                if ok { "PASS" } else { "FAIL" },
+                if unchained { "not chained" } else { "CHAINED" },
+                via_generate.len(),
+                if host.starts_with(&via_generate) { "equal to" } else { "DIFFER from" }
+            );
+            failures += usize::from(!ok);
         }
         _ => bail!("usage: device_check fixtures <dir> | same|fused|prompt|interleave|time|chain <model> [--device cuda] [--tokens N] [--prompt TEXT] | sample [--draws N]"),
     }

@@ -1472,58 +1472,80 @@ __device__ __forceinline__ float sample_weight(float l, float m, float floor, fl
     return l >= floor ? expf((l - m) * scale) : 0.f;
 }
 
+// Inclusive prefix sums of `v` over the block's threads in thread order, added in a fixed order
+// (within each warp, then over the warps' totals), so a run repeats; `total` gets the block's
+// sum. Every thread of the block calls it.
+template <typename T>
+__device__ T block_scan(T v, T* total) {
+    __shared__ T warp_sums[32];
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        T u = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += u;
+    }
+    if (lane == 31) warp_sums[w] = v;
+    __syncthreads();
+    if (w == 0) {
+        T s = lane < nw ? warp_sums[lane] : (T)0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            T u = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o) s += u;
+        }
+        if (lane < nw) warp_sums[lane] = s;
+    }
+    __syncthreads();
+    if (w > 0) v += warp_sums[w - 1];
+    *total = warp_sums[nw - 1];
+    __syncthreads();  // read by all before a next call writes
+    return v;
+}
+
+// The weights exp((l - max) / T) of a thread's chunk [lo, hi) of the logits, in token order,
+// passed to `f(i, w)`: float4 loads, four in flight, where the chunk is a whole aligned run.
+template <typename F>
+__device__ __forceinline__ void chunk_weights(const float* logits, int lo, int hi, float m, float floor, float scale, F f) {
+    if (((uintptr_t)(logits + lo) & 15) == 0 && ((hi - lo) & 3) == 0) {
+        const float4* l4 = reinterpret_cast<const float4*>(logits + lo);
+#pragma unroll 4
+        for (int i = 0; i < (hi - lo) / 4; i++) {
+            float4 q = l4[i];
+            f(lo + 4 * i, sample_weight(q.x, m, floor, scale));
+            f(lo + 4 * i + 1, sample_weight(q.y, m, floor, scale));
+            f(lo + 4 * i + 2, sample_weight(q.z, m, floor, scale));
+            f(lo + 4 * i + 3, sample_weight(q.w, m, floor, scale));
+        }
+    } else {
+        for (int i = lo; i < hi; i++) f(i, sample_weight(logits[i], m, floor, scale));
+    }
+}
+
+// Each thread's contiguous chunk of n tokens: a multiple of 4 long (so float4 loads stay aligned).
+__device__ __forceinline__ void token_chunk(int n, int* lo, int* hi) {
+    int per = ((n + blockDim.x - 1) / blockDim.x + 3) & ~3;
+    *lo = min(n, (int)threadIdx.x * per);
+    *hi = min(n, *lo + per);
+}
+
 // Draws a token from softmax(logits / temperature) with `r`, a uniform draw in [0, 1) made by the
 // host's seeded generator, as the CPU sampler does without top-k, top-p, min-p or penalties:
 // weights exp((l - max) / T), 0 below max - 40T, and the first token whose running sum of weights
-// passes r times their total. One block of 1024 threads: each sums a contiguous chunk (a multiple
-// of 4 tokens, read as float4 where aligned) in f64; a block-wide scan in a fixed order gives each
-// chunk the sum before it, so a seeded run repeats; the chunk where the running sum passes the
-// target is walked token by token by its thread. Every thread gets the token.
+// passes r times their total. One block of 1024 threads: each sums a contiguous chunk
+// (`token_chunk`) in f64; a block-wide scan gives each chunk the sum before it; the chunk where
+// the running sum passes the target is walked token by token by its thread. Every thread gets
+// the token.
 __device__ unsigned draw_temperature(const float* logits, int n, float temperature, double r) {
-    __shared__ double warp_sums[32];
     __shared__ int chunk, last;
     __shared__ unsigned picked;
-    int t = threadIdx.x, lane = t & 31, w = t >> 5, nw = (blockDim.x + 31) >> 5;
+    int t = threadIdx.x, lo, hi;
     if (t == 0) chunk = 0x7fffffff, last = -1;
     float m = row_max(logits, n);  // its barrier also publishes `chunk` and `last`
     float floor = m - 40.f * temperature, scale = 1.f / temperature;
-    int per = ((n + blockDim.x - 1) / blockDim.x + 3) & ~3, lo = min(n, t * per), hi = min(n, lo + per);
-    double s = 0.0;
-    if (((uintptr_t)logits & 15) == 0 && hi - lo == per) {
-        const float4* l4 = reinterpret_cast<const float4*>(logits + lo);
-#pragma unroll 4
-        for (int i = 0; i < per / 4; i++) {
-            float4 q = l4[i];
-            s += (double)sample_weight(q.x, m, floor, scale);
-            s += (double)sample_weight(q.y, m, floor, scale);
-            s += (double)sample_weight(q.z, m, floor, scale);
-            s += (double)sample_weight(q.w, m, floor, scale);
-        }
-    } else {
-        for (int i = lo; i < hi; i++) s += (double)sample_weight(logits[i], m, floor, scale);
-    }
-    // Inclusive scan of the chunk sums: within each warp, then over the warps' totals.
-    double incl = s;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        double u = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += u;
-    }
-    if (lane == 31) warp_sums[w] = incl;
-    __syncthreads();
-    if (w == 0) {
-        double v = lane < nw ? warp_sums[lane] : 0.0;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            double u = __shfl_up_sync(0xffffffffu, v, o);
-            if (lane >= o) v += u;
-        }
-        if (lane < nw) warp_sums[lane] = v;
-    }
-    __syncthreads();
-    double before_warp = w > 0 ? warp_sums[w - 1] : 0.0;
-    incl += before_warp;
-    double excl = incl - s, target = r * warp_sums[nw - 1];
+    token_chunk(n, &lo, &hi);
+    double s = 0.0, total;
+    chunk_weights(logits, lo, hi, m, floor, scale, [&](int, float w) { s += (double)w; });
+    double incl = block_scan(s, &total), excl = incl - s, target = r * total;
     // The first chunk with weight whose running sum passes the target; else (rounding left the
     // target beyond the total) the last chunk with weight, walked whole.
     if (s > 0.0 && target < incl) atomicMin(&chunk, t);
@@ -1611,70 +1633,46 @@ extern "C" __global__ void __launch_bounds__(1024) pick_token(const float* logit
 // out[0] = the number of candidates, out[2..4] = the total (a double), then the first `cap`
 // candidates as (id, weight bits) pairs. One block of 1024 threads, each taking a contiguous chunk.
 extern "C" __global__ void __launch_bounds__(1024) sample_candidates(const float* logits, int n, float temperature, int top_k, float top_p, float min_p, int cap, unsigned* out) {
-    __shared__ double sums[1024];
-    __shared__ unsigned offsets[1024];
     __shared__ unsigned reach[3];
-    __shared__ float lightest;
     const float cuts[3] = {0.36787944117f, 0.018315638889f, 1.1253517472e-07f};  // e^-1, e^-4, e^-16
-    int t = threadIdx.x;
+    int t = threadIdx.x, lo, hi;
     if (t < 3) reach[t] = 0;
     float m = row_max(logits, n);  // its barrier also publishes `reach`
     float floor = m - 40.f * temperature, scale = 1.f / temperature;
-    auto weight = [&](int i) { return sample_weight(logits[i], m, floor, scale); };
-    int per = (n + blockDim.x - 1) / blockDim.x, lo = min(n, t * per), hi = min(n, lo + per);
-    double s = 0.0;
+    token_chunk(n, &lo, &hi);
+    double s = 0.0, all;
     unsigned k[3] = {0, 0, 0};
-    for (int i = lo; i < hi; i++) {
-        float w = weight(i);
+    chunk_weights(logits, lo, hi, m, floor, scale, [&](int, float w) {
         s += (double)w;
 #pragma unroll
         for (int c = 0; c < 3; c++) k[c] += w >= cuts[c];
-    }
-    sums[t] = s;
+    });
 #pragma unroll
     for (int c = 0; c < 3; c++) atomicAdd(&reach[c], k[c]);
-    __syncthreads();
+    block_scan(s, &all);  // its barriers also publish `reach`
+    float lightest = 0.f;
+    if (top_k > 0) {
+        for (int c = 0; c < 3; c++)
+            if (reach[c] >= (unsigned)top_k) {
+                lightest = cuts[c];
+                break;
+            }
+    } else {
+        lightest = fmaxf(min_p, (float)((1.0 - (double)top_p) * all / (double)n));
+    }
+    unsigned count = 0, candidates;
+    chunk_weights(logits, lo, hi, m, floor, scale, [&](int, float w) { count += w > 0.f && w >= lightest; });
+    unsigned at = block_scan(count, &candidates) - count;
     if (t == 0) {
-        double all = 0.0;
-        for (int j = 0; j < (int)blockDim.x; j++) all += sums[j];
-        float light = 0.f;
-        if (top_k > 0) {
-            for (int c = 0; c < 3; c++)
-                if (reach[c] >= (unsigned)top_k) {
-                    light = cuts[c];
-                    break;
-                }
-        } else {
-            light = fmaxf(min_p, (float)((1.0 - (double)top_p) * all / (double)n));
-        }
-        lightest = light;
+        out[0] = candidates;
         *reinterpret_cast<double*>(out + 2) = all;
     }
-    __syncthreads();
-    unsigned count = 0;
-    for (int i = lo; i < hi; i++) {
-        float w = weight(i);
-        count += w > 0.f && w >= lightest;
-    }
-    offsets[t] = count;
-    __syncthreads();
-    if (t == 0) {
-        unsigned acc = 0;
-        for (int j = 0; j < (int)blockDim.x; j++) {
-            unsigned c = offsets[j];
-            offsets[j] = acc;
-            acc += c;
-        }
-        out[0] = acc;
-    }
-    __syncthreads();
-    unsigned at = offsets[t];
-    for (int i = lo; i < hi && at < (unsigned)cap; i++) {
-        float w = weight(i);
-        if (w > 0.f && w >= lightest) {
-            out[4 + 2 * at] = (unsigned)i;
-            out[5 + 2 * at] = __float_as_uint(w);
-            at++;
-        }
-    }
+    if (at < (unsigned)cap)
+        chunk_weights(logits, lo, hi, m, floor, scale, [&](int i, float w) {
+            if (w > 0.f && w >= lightest && at < (unsigned)cap) {
+                out[4 + 2 * at] = (unsigned)i;
+                out[5 + 2 * at] = __float_as_uint(w);
+                at++;
+            }
+        });
 }
