@@ -291,7 +291,7 @@ pub struct DeviceChain {
     vocab: i32,
 }
 
-// SAFETY: `host_ptr` points into `host`, which the chain owns; nothing else aliases it.
+// SAFETY: `host_ptr` points into `_host`, which the chain owns; nothing else aliases it.
 unsafe impl Send for DeviceChain {}
 
 impl DeviceChain {
