@@ -1443,20 +1443,27 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
     trace_block(a.trace, a.launch);
 }
 
-// The largest of `n` logits (NaN skipped, as f32::max does), for every thread of the block.
-// float4 loads, four in flight, where the row is 16-byte aligned (as `row_argmax`).
-__device__ float row_max(const float* logits, int n) {
-    __shared__ float maxes[32];
-    int lane = threadIdx.x & 31, nw = (blockDim.x + 31) >> 5;
-    float m = -INFINITY;
+// Each of this thread's logits, `f(value, index)`: float4s strided over the block, four loads in
+// flight, where the row is 16-byte aligned (the logits are in L2: the latency of one load at a
+// time, not bandwidth, bounds a pass), then the tail. Indices reach a thread in increasing order.
+template <typename F>
+__device__ __forceinline__ void strided_logits(const float* logits, int n, F f) {
     int vec = ((uintptr_t)logits & 15) == 0 ? n >> 2 : 0;
     const float4* l4 = reinterpret_cast<const float4*>(logits);
 #pragma unroll 4
     for (int i = threadIdx.x; i < vec; i += blockDim.x) {
         float4 q = l4[i];
-        m = fmaxf(m, fmaxf(fmaxf(q.x, q.y), fmaxf(q.z, q.w)));
+        f(q.x, 4 * i), f(q.y, 4 * i + 1), f(q.z, 4 * i + 2), f(q.w, 4 * i + 3);
     }
-    for (int i = 4 * vec + threadIdx.x; i < n; i += blockDim.x) m = fmaxf(m, logits[i]);
+    for (int i = 4 * vec + threadIdx.x; i < n; i += blockDim.x) f(logits[i], i);
+}
+
+// The largest of `n` logits (NaN skipped, as f32::max does), for every thread of the block.
+__device__ float row_max(const float* logits, int n) {
+    __shared__ float maxes[32];
+    int lane = threadIdx.x & 31, nw = (blockDim.x + 31) >> 5;
+    float m = -INFINITY;
+    strided_logits(logits, n, [&](float l, int) { m = fmaxf(m, l); });
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     if (lane == 0) maxes[threadIdx.x >> 5] = m;
@@ -1576,8 +1583,7 @@ extern "C" __global__ void __launch_bounds__(1024) sample_temperature(const floa
 }
 
 // The first of the largest logits (NaN never wins; only NaN: token 0, as the CPU sampler's
-// `argmax` says), for every thread of the block. Each thread reads float4s in turn, four in
-// flight (the logits are in L2: the latency of one load at a time, not bandwidth, bounds it).
+// `argmax` says), for every thread of the block.
 __device__ unsigned row_argmax(const float* logits, int n) {
     __shared__ float best_v[32];
     __shared__ int best_i[32];
@@ -1585,17 +1591,9 @@ __device__ unsigned row_argmax(const float* logits, int n) {
     float v = -INFINITY;
     int at = -1;
     // Indices reach a thread in increasing order, so a strict > keeps the first of equal values.
-    auto consider = [&](float l, int i) {
+    strided_logits(logits, n, [&](float l, int i) {
         if (l > v || (at < 0 && l == l)) v = l, at = i;
-    };
-    int vec = ((uintptr_t)logits & 15) == 0 ? n >> 2 : 0;
-    const float4* l4 = reinterpret_cast<const float4*>(logits);
-#pragma unroll 4
-    for (int i = threadIdx.x; i < vec; i += blockDim.x) {
-        float4 q = l4[i];
-        consider(q.x, 4 * i), consider(q.y, 4 * i + 1), consider(q.z, 4 * i + 2), consider(q.w, 4 * i + 3);
-    }
-    for (int i = 4 * vec + threadIdx.x; i < n; i += blockDim.x) consider(logits[i], i);
+    });
     // (v, at) takes (ov, oa) when that is larger, or equal at a lower index; none (-1) loses.
     auto take = [&](float ov, int oa) {
         if (oa >= 0 && (at < 0 || ov > v || (ov == v && oa < at))) v = ov, at = oa;

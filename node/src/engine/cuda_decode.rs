@@ -419,38 +419,38 @@ fn row_kernel(logits: &Tensor, name: &str) -> Result<(CudaFunction, Arc<CudaStre
     Ok((f, cuda.cuda_stream(), logits.to_dtype(DType::F32)?.contiguous()?))
 }
 
-/// The first of the largest logits of a row on a GPU (`argmax_row` in decode.cu, the CPU
-/// sampler's `argmax`); only the token id is copied to the host.
-pub fn argmax(logits: &Tensor) -> Result<u32> {
-    let (f, stream, logits) = row_kernel(logits, "argmax_row")?;
+/// Runs `name`, a one-block kernel of decode.cu taking (logits, n, [temperature, r,] out) that
+/// writes one token id to `out`, over a row of logits on a GPU; only that id is copied to the host.
+fn row_pick(logits: &Tensor, name: &str, draw: Option<(f32, f64)>) -> Result<u32> {
+    let (f, stream, logits) = row_kernel(logits, name)?;
     let (ptr, n) = (tensor_ptr(&logits)?, logits.elem_count() as i32);
     let mut out = stream.alloc_zeros::<u32>(1).map_err(driver)?;
     let mut launch = stream.launch_builder(&f);
-    launch.arg(&ptr).arg(&n).arg(&mut out);
+    launch.arg(&ptr).arg(&n);
+    if let Some((temperature, r)) = &draw {
+        launch.arg(temperature).arg(r);
+    }
+    launch.arg(&mut out);
     let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: the arguments match the kernel's (a pointer to `n` f32 values kept alive by
-    // `logits`, n, one u32 out).
-    unsafe { launch.launch(cfg) }.map_err(driver)?;
-    let id = stream.clone_dtoh(&out).map_err(driver)?;
-    id.first().copied().ok_or_else(|| unsupported("no token came back"))
-}
-
-/// Draws a token from a row of logits on a GPU (`sample_temperature` in decode.cu): the CPU
-/// sampler's plain temperature draw (no top-k, top-p, min-p or penalties) with its uniform draw
-/// `r` in [0, 1), where the logits are; only the token id is copied to the host.
-pub fn sample_temperature(logits: &Tensor, temperature: f32, r: f64) -> Result<u32> {
-    let (f, stream, logits) = row_kernel(logits, "sample_temperature")?;
-    let (ptr, n) = (tensor_ptr(&logits)?, logits.elem_count() as i32);
-    let mut out = stream.alloc_zeros::<u32>(1).map_err(driver)?;
-    let mut launch = stream.launch_builder(&f);
-    launch.arg(&ptr).arg(&n).arg(&temperature).arg(&r).arg(&mut out);
-    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: the arguments match the kernel's (a pointer to `n` f32 values kept alive by
-    // `logits`, n, temperature, r, one u32 out).
+    // `logits`, n, the draw's temperature and r where it takes them, one u32 out).
     unsafe { launch.launch(cfg) }.map_err(driver)?;
     // A copy into pageable memory returns once it is done, after the kernel (stream order).
     let id = stream.clone_dtoh(&out).map_err(driver)?;
     id.first().copied().ok_or_else(|| unsupported("no token came back"))
+}
+
+/// The first of the largest logits of a row on a GPU (`argmax_row` in decode.cu, the CPU
+/// sampler's `argmax`).
+pub fn argmax(logits: &Tensor) -> Result<u32> {
+    row_pick(logits, "argmax_row", None)
+}
+
+/// Draws a token from a row of logits on a GPU (`sample_temperature` in decode.cu): the CPU
+/// sampler's plain temperature draw (no top-k, top-p, min-p or penalties) with its uniform draw
+/// `r` in [0, 1), where the logits are.
+pub fn sample_temperature(logits: &Tensor, temperature: f32, r: f64) -> Result<u32> {
+    row_pick(logits, "sample_temperature", Some((temperature, r)))
 }
 
 /// The candidates of a sampled step with top-k, top-p or min-p, gathered on the GPU

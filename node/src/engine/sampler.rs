@@ -117,8 +117,8 @@ impl Sampler {
     /// host. Either way it picks what `sample_logits` picks from logits on a GPU.
     pub fn device_temperature(&self) -> Option<f32> {
         let p = &self.params;
-        let plain = !p.has_penalties() && p.top_k.is_none() && p.top_p >= 1.0 && p.min_p == 0.0;
-        (plain || (p.temperature == 0.0 && !p.has_penalties())).then_some(p.temperature)
+        let no_cuts = p.top_k.is_none() && p.top_p >= 1.0 && p.min_p == 0.0;
+        (!p.has_penalties() && (p.temperature == 0.0 || no_cuts)).then_some(p.temperature)
     }
 
     /// The uniform draw a GPU pick takes: one a token from the generator for a temperature draw
