@@ -748,26 +748,33 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
             prefetch_l2(row_at(sg.w, sg.fmt, lr, a.cols, k0), fmt_bytes(sg.fmt, kn), lane);
         }
     }
+    // The norm weights of this block's slice depend on no kernel: they go to xs before the wait,
+    // each thread loading the values it will multiply (so no barrier is needed in between).
+    // Four values a load (rows are whole 4-value blocks; k0 and kn are multiples of 256).
+    bool normed = a.norm_w && !a.tag_in;  // (tagged inputs are gate/up's and attention's outputs)
+    if (normed) {
+        const float4* w4 = reinterpret_cast<const float4*>(a.norm_w);
+        for (int j = threadIdx.x; j < a.cols / 4; j += blockDim.x) {
+            unsigned i = (unsigned)(4 * j - k0);
+            if (i < (unsigned)kn) *reinterpret_cast<float4*>(xs + i) = w4[j];
+        }
+    }
     if (!a.tag_in) wait_for_previous_kernel();
     trace_mark(a.trace, &trace_waited);
     if (a.tag_in) {
-        // (never with a norm: tagged inputs are gate/up's and attention's outputs)
         load_tagged(a.x + 2 * k0, kn, (unsigned)*a.tag, xs);
-    } else if (a.norm_w) {
+    } else if (normed) {
         // One round of loads: x over the whole row (the norm takes all of it, also for a
-        // split-K slice) and beside it the norm weights of this block's slice; xs holds x·w
-        // until the row's scale is known.
-        // Four values a load (rows are whole 4-value blocks; k0 and kn are multiples of 256).
+        // split-K slice); xs holds x·w until the row's scale is known.
         float ss = 0.f;
         const float4* x4 = reinterpret_cast<const float4*>(a.x);
-        const float4* w4 = reinterpret_cast<const float4*>(a.norm_w);
 #pragma unroll 4
         for (int j = threadIdx.x; j < a.cols / 4; j += blockDim.x) {
             float4 v = x4[j];
             ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
             unsigned i = (unsigned)(4 * j - k0);
             if (i < (unsigned)kn) {
-                float4 w = w4[j];
+                float4 w = *reinterpret_cast<const float4*>(xs + i);
                 *reinterpret_cast<float4*>(xs + i) = make_float4(v.x * w.x, v.y * w.y, v.z * w.z, v.w * w.w);
             }
         }
