@@ -802,8 +802,24 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
     return Staged{xs, xp, xsum, nullptr, nullptr};
 }
 
+// One step of `dot_q4_k_q8`'s loads for R rows: block b's header and this lane's 16 nibble bytes.
+struct Q4Loads {
+    uint4 hw[2], q[2];
+};
+
 template <int R>
-__device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, const float* xsum, float* out);
+__device__ __forceinline__ void q4k_load(const uint8_t* const* rows, int b, Q4Loads& l) {
+    int sub = threadIdx.x & 7, g = sub >> 1, h = sub & 1;
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) {
+        const uint8_t* blk = rows[rr] + (size_t)b * 144;
+        l.hw[rr] = *reinterpret_cast<const uint4*>(blk);
+        l.q[rr] = *reinterpret_cast<const uint4*>(blk + 16 + 32 * g + 16 * h);
+    }
+}
+
+template <int R>
+__device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, const float* xsum, float* out, bool preloaded = false, const Q4Loads& first = Q4Loads{});
 
 // The staged input of an int8 instance (`q4k` = 2): `in.xs` quantized into the space of the
 // reordered copy that f32 Q4_K instances use (kn + kn / 8 of its 4 kn bytes).
@@ -849,6 +865,21 @@ __device__ void mv_rows(const MvArgs& a) {
         if (a.pairs) half_load<2>(rows, kn, 0, pre);
         else half_load<1>(rows, kn, 0, pre);
         preloaded = true;
+    }
+    // Q4_K rows with int8 activations: likewise the first step of the warp's first row (or pair).
+    constexpr bool Q4 = F == FMT_Q4_K && Q8;
+    Q4Loads q4first;
+    bool q4pre = false;
+    if (Q4 && a.preload && (first << a.pairs) < total) {
+        int lr = first << a.pairs;
+        Seg sg = seg_of_row(a, &lr);
+        const uint8_t* row0 = row_at(sg.w, F, lr, a.cols, k0);
+        const uint8_t* rows[2] = {row0, row0 + fmt_bytes(F, a.cols)};
+        if ((lane >> 3) < (kn >> 8)) {
+            if (PAIRS) q4k_load<2>(rows, lane >> 3, q4first);
+            else q4k_load<1>(rows, lane >> 3, q4first);
+        }
+        q4pre = true;
     }
     Staged in = stage_input(a, k0, kn, false, preloaded ? total : first << a.pairs, total, reinterpret_cast<float*>(xs4));
     if (Q8) stage_q8(in, kn);
@@ -897,26 +928,32 @@ __device__ void mv_rows(const MvArgs& a) {
     } else if (PAIRS) {
         // As f16 pairs: two rows' loads in one round, where a warp would take them one by one.
         // (Every matrix has an even number of rows, so a pair never spans two.)
-        for (int r = 2 * first; r < total; r += 2 * gridDim.x * warps) {
+        auto pair = [&](int r, bool use_pre) {
             int lr = r;
             Seg sg = seg_of_row(a, &lr);
             const uint8_t* row0 = row_at(sg.w, F, lr, a.cols, k0);
             const uint8_t* rows[2] = {row0, row0 + fmt_bytes(F, a.cols)};
             float y[2];
             if (F == FMT_Q6_K) dot_q6_k_q8<2>(rows, kn, in.x8, in.dx, y);
-            else if (Q8) dot_q4_k_q8<2>(rows, kn, in.x8, in.dx, in.xsum, y);
+            else if (Q8) dot_q4_k_q8<2>(rows, kn, in.x8, in.dx, in.xsum, y, use_pre, q4first);
             else dot_q4_k<2>(rows, kn, in.xp, in.xsum, y);
             put(r, sg, lr, y[0]);
             put(r + 1, sg, lr + 1, y[1]);
+        };
+        int r = 2 * first, stride = 2 * gridDim.x * warps;
+        if (q4pre) {  // peeled, so that `q4first` is dead in the loop
+            pair(r, true);
+            r += stride;
         }
+        for (; r < total; r += stride) pair(r, false);
     } else {
-        for (int r = first; r < total; r += gridDim.x * warps) {
+        auto one = [&](int r, bool use_pre) {
             int lr = r;
             Seg sg = seg_of_row(a, &lr);
             float y;
             if (Q8 && (F == FMT_Q4_K || F == FMT_ANY && sg.fmt == FMT_Q4_K)) {
                 const uint8_t* row = row_at(sg.w, FMT_Q4_K, lr, a.cols, k0);
-                dot_q4_k_q8<1>(&row, kn, in.x8, in.dx, in.xsum, &y);
+                dot_q4_k_q8<1>(&row, kn, in.x8, in.dx, in.xsum, &y, use_pre, q4first);
             } else if (Q8) {
                 const uint8_t* row = row_at(sg.w, FMT_Q6_K, lr, a.cols, k0);
                 dot_q6_k_q8<1>(&row, kn, in.x8, in.dx, &y);
@@ -924,7 +961,13 @@ __device__ void mv_rows(const MvArgs& a) {
                 y = dot_row<F>(sg.w, sg.fmt, lr, a.cols, k0, kn, in);
             }
             put(r, sg, lr, y);
+        };
+        int r = first, stride = gridDim.x * warps;
+        if (q4pre) {
+            one(r, true);
+            r += stride;
         }
+        for (; r < total; r += stride) one(r, false);
     }
     if (gridDim.y > 1 && a.partial) {
         __shared__ int last;
@@ -965,40 +1008,51 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // sums of each 16 int8 inputs times their scale. Lanes as in `dot_q4_k`: 8 a block, 4 blocks
 // a step.
 template <int R>
-__device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, const float* xsum, float* out) {
+__device__ __forceinline__ void q4k_use(const Q4Loads& l, int b, const int8_t* x8, const float* dx, const float* xsum, float* acc) {
+    int sub = threadIdx.x & 7, g = sub >> 1, h = sub & 1;
+    int4 xl = *reinterpret_cast<const int4*>(x8 + b * 256 + 64 * g + 16 * h);
+    int4 xh = *reinterpret_cast<const int4*>(x8 + b * 256 + 64 * g + 32 + 16 * h);
+    float dxl = dx[b * 8 + 2 * g], dxh = dx[b * 8 + 2 * g + 1];
+    float slo = xsum[b * 16 + 4 * g + h], shi = xsum[b * 16 + 4 * g + 2 + h];
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) {
+        uint4 q = l.q[rr];
+        int lo = 0, hi = 0;
+        lo = __dp4a((int)(q.x & 0x0F0F0F0Fu), xl.x, lo);
+        hi = __dp4a((int)((q.x >> 4) & 0x0F0F0F0Fu), xh.x, hi);
+        lo = __dp4a((int)(q.y & 0x0F0F0F0Fu), xl.y, lo);
+        hi = __dp4a((int)((q.y >> 4) & 0x0F0F0F0Fu), xh.y, hi);
+        lo = __dp4a((int)(q.z & 0x0F0F0F0Fu), xl.z, lo);
+        hi = __dp4a((int)((q.z >> 4) & 0x0F0F0F0Fu), xh.z, hi);
+        lo = __dp4a((int)(q.w & 0x0F0F0F0Fu), xl.w, lo);
+        hi = __dp4a((int)((q.w >> 4) & 0x0F0F0F0Fu), xh.w, hi);
+        uint32_t hw[4] = {l.hw[rr].x, l.hw[rr].y, l.hw[rr].z, l.hw[rr].w};
+        float2 d = __half22float2(*reinterpret_cast<const __half2*>(&hw[0]));
+        float sc0, m0, sc1, m1;
+        scale_min_k4(2 * g, hw + 1, &sc0, &m0);
+        scale_min_k4(2 * g + 1, hw + 1, &sc1, &m1);
+        acc[rr] += d.x * (sc0 * dxl * (float)lo + sc1 * dxh * (float)hi) - d.y * (m0 * slo + m1 * shi);
+    }
+}
+
+// With `preloaded`, `first` holds the loads of the lane's first step (`q4k_load` at lane / 8).
+template <int R>
+__device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, const float* xsum, float* out, bool preloaded, const Q4Loads& first) {
     int lane = threadIdx.x & 31;
     int nb = cols >> 8;
-    int sub = lane & 7, g = sub >> 1, h = sub & 1;
     float acc[R];
 #pragma unroll
     for (int k = 0; k < R; k++) acc[k] = 0.f;
+    int b = lane >> 3;
+    if (preloaded) {
+        if (b < nb) q4k_use<R>(first, b, x8, dx, xsum, acc);
+        b += 4;
+    }
 #pragma unroll 2
-    for (int b = lane >> 3; b < nb; b += 4) {
-        int4 xl = *reinterpret_cast<const int4*>(x8 + b * 256 + 64 * g + 16 * h);
-        int4 xh = *reinterpret_cast<const int4*>(x8 + b * 256 + 64 * g + 32 + 16 * h);
-        float dxl = dx[b * 8 + 2 * g], dxh = dx[b * 8 + 2 * g + 1];
-        float slo = xsum[b * 16 + 4 * g + h], shi = xsum[b * 16 + 4 * g + 2 + h];
-#pragma unroll
-        for (int rr = 0; rr < R; rr++) {
-            const uint8_t* blk = rows[rr] + (size_t)b * 144;
-            uint4 hw4 = *reinterpret_cast<const uint4*>(blk);
-            uint4 q = *reinterpret_cast<const uint4*>(blk + 16 + 32 * g + 16 * h);
-            int lo = 0, hi = 0;
-            lo = __dp4a((int)(q.x & 0x0F0F0F0Fu), xl.x, lo);
-            hi = __dp4a((int)((q.x >> 4) & 0x0F0F0F0Fu), xh.x, hi);
-            lo = __dp4a((int)(q.y & 0x0F0F0F0Fu), xl.y, lo);
-            hi = __dp4a((int)((q.y >> 4) & 0x0F0F0F0Fu), xh.y, hi);
-            lo = __dp4a((int)(q.z & 0x0F0F0F0Fu), xl.z, lo);
-            hi = __dp4a((int)((q.z >> 4) & 0x0F0F0F0Fu), xh.z, hi);
-            lo = __dp4a((int)(q.w & 0x0F0F0F0Fu), xl.w, lo);
-            hi = __dp4a((int)((q.w >> 4) & 0x0F0F0F0Fu), xh.w, hi);
-            uint32_t hw[4] = {hw4.x, hw4.y, hw4.z, hw4.w};
-            float2 d = __half22float2(*reinterpret_cast<const __half2*>(&hw[0]));
-            float sc0, m0, sc1, m1;
-            scale_min_k4(2 * g, hw + 1, &sc0, &m0);
-            scale_min_k4(2 * g + 1, hw + 1, &sc1, &m1);
-            acc[rr] += d.x * (sc0 * dxl * (float)lo + sc1 * dxh * (float)hi) - d.y * (m0 * slo + m1 * shi);
-        }
+    for (; b < nb; b += 4) {
+        Q4Loads l;
+        q4k_load<R>(rows, b, l);
+        q4k_use<R>(l, b, x8, dx, xsum, acc);
     }
 #pragma unroll
     for (int rr = 0; rr < R; rr++) out[rr] = warp_sum(acc[rr]);
