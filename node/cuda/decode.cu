@@ -866,20 +866,22 @@ __device__ void mv_rows(const MvArgs& a) {
         else half_load<1>(rows, kn, 0, pre);
         preloaded = true;
     }
-    // Q4_K rows with int8 activations: likewise the first step of the warp's first row (or pair).
-    constexpr bool Q4 = F == FMT_Q4_K && Q8;
+    // Q4_K rows with int8 activations: likewise the first step of the warp's first row or pair
+    // (with mixed formats, where that row is Q4_K; Q6_K's step, 20 registers a row, spills).
     Q4Loads q4first;
     bool q4pre = false;
-    if (Q4 && a.preload && (first << a.pairs) < total) {
+    if (Q8 && a.preload && (first << a.pairs) < total) {
         int lr = first << a.pairs;
         Seg sg = seg_of_row(a, &lr);
-        const uint8_t* row0 = row_at(sg.w, F, lr, a.cols, k0);
-        const uint8_t* rows[2] = {row0, row0 + fmt_bytes(F, a.cols)};
-        if ((lane >> 3) < (kn >> 8)) {
-            if (PAIRS) q4k_load<2>(rows, lane >> 3, q4first);
-            else q4k_load<1>(rows, lane >> 3, q4first);
+        if ((F == FMT_Q4_K || F == FMT_ANY) && sg.fmt == FMT_Q4_K) {
+            const uint8_t* row0 = row_at(sg.w, FMT_Q4_K, lr, a.cols, k0);
+            const uint8_t* rows[2] = {row0, row0 + fmt_bytes(FMT_Q4_K, a.cols)};
+            if ((lane >> 3) < (kn >> 8)) {
+                if (PAIRS) q4k_load<2>(rows, lane >> 3, q4first);
+                else q4k_load<1>(rows, lane >> 3, q4first);
+            }
+            q4pre = true;
         }
-        q4pre = true;
     }
     Staged in = stage_input(a, k0, kn, false, preloaded ? total : first << a.pairs, total, reinterpret_cast<float*>(xs4));
     if (Q8) stage_q8(in, kn);
