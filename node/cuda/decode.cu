@@ -10,8 +10,9 @@
 // KV cache addresses come from device memory, so a step is captured once as a CUDA graph and
 // replayed for every sequence. On sm_90 and later
 // each kernel may start while the previous one finishes (programmatic dependent launch): it
-// fetches what depends on no earlier kernel (f16/bf16 warps load their first rows, other formats
-// pull theirs into L2), then waits before reading earlier results. Where a kernel needs only part
+// fetches what depends on no earlier kernel (f16/bf16 warps load their first rows, Q4_K warps
+// with int8 activations their first step, other formats pull theirs into L2; RMSNorm weights go
+// to shared memory), then waits before reading earlier results. Where a kernel needs only part
 // of the previous one's output (attention its head's q/k/v, o and down a slice of their input),
 // it does not wait for that kernel's end: it reads each value once it carries the step's tag
 // (`load_tagged`).
