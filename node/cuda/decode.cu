@@ -1005,57 +1005,111 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-// Q4_K rows in shared memory · int8 activations (`x8`, one f32 scale `dx` per 32 values, as
-// llama.cpp's MMVQ quantizes them): each lane's 16 nibble bytes meet 16 + 16 input bytes in
-// 8 `dp4a`s, against 3 instructions a value with f32 inputs. The mins' term takes `xsum`, the
-// sums of each 16 int8 inputs times their scale. Lanes as in `dot_q4_k`: 8 a block, 4 blocks
-// a step.
-template <int R>
-__device__ __forceinline__ void q4k_use(const Q4Loads& l, int b, const int8_t* x8, const float* dx, const float* xsum, float* acc) {
+// Q4_K rows · int8 activations (`x8`, one f32 scale `dx` per 32 values, as llama.cpp's MMVQ
+// quantizes them): each lane's 16 nibble bytes meet 16 + 16 input bytes in 8 `dp4a`s, against
+// 3 instructions a value with f32 inputs. The mins' term takes `xsum`, the sums of each 16 int8
+// inputs times their scale. Lanes as in `dot_q4_k`: 8 a block, 4 blocks a step. These kernels
+// are bound by instruction issue (`ncu`: 3.7 bytes of weights an instruction against 12 for
+// f16 rows), so a step is written for few instructions: high nibbles stay in place (a `dp4a`
+// of unsigned bytes, 16 times the sum, shifted back once), and the lane's two 6-bit scales and
+// mins are cut from the packed bytes without branches, both at once (`Q4Lane`).
+struct Q4Lane {
+    int qoff, xoff, dxoff, soff;  // the lane's nibbles in a block, its inputs, their scale, their sums
+    uint32_t shift;               // 8 * (j & 3) for the lane's sub-blocks j = 2g, 2g + 1
+    uint32_t low_mask, high_mask; // sub-blocks 0-3: 6 bits from bytes 0-3; 4-7: 4 bits from 8-11 and 2 from 0-7
+    bool upper;                   // sub-blocks 4-7
+};
+
+__device__ __forceinline__ Q4Lane q4k_lane() {
     int sub = threadIdx.x & 7, g = sub >> 1, h = sub & 1;
-    int4 xl = *reinterpret_cast<const int4*>(x8 + b * 256 + 64 * g + 16 * h);
-    int4 xh = *reinterpret_cast<const int4*>(x8 + b * 256 + 64 * g + 32 + 16 * h);
-    float dxl = dx[b * 8 + 2 * g], dxh = dx[b * 8 + 2 * g + 1];
-    float slo = xsum[b * 16 + 4 * g + h], shi = xsum[b * 16 + 4 * g + 2 + h];
+    bool upper = g >= 2;
+    return Q4Lane{16 + 32 * g + 16 * h, 64 * g + 16 * h, 2 * g, 4 * g + h, (uint32_t)(16 * (g & 1)),
+                  upper ? 0x0F0Fu : 0x3F3Fu, upper ? 0x3030u : 0u, upper};
+}
+
+__device__ __forceinline__ int dp4a_u8_s8(uint32_t a, int b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// Adds one step (a block's header `l.hw` and the lane's 16 nibble bytes `l.q`, per row) into acc;
+// x8, dx and xsum point at the step's block as `Q4Lane` places the lane in it.
+template <int R>
+__device__ __forceinline__ void q4k_use(const Q4Lane& ln, const Q4Loads& l, const int8_t* x8, const float* dx, const float* xsum, float* acc) {
+    int4 xl = *reinterpret_cast<const int4*>(x8), xh = *reinterpret_cast<const int4*>(x8 + 32);
+    float dxl = dx[0], dxh = dx[1];
+    float slo = xsum[0], shi = xsum[2];
 #pragma unroll
     for (int rr = 0; rr < R; rr++) {
         uint4 q = l.q[rr];
         int lo = 0, hi = 0;
         lo = __dp4a((int)(q.x & 0x0F0F0F0Fu), xl.x, lo);
-        hi = __dp4a((int)((q.x >> 4) & 0x0F0F0F0Fu), xh.x, hi);
+        hi = dp4a_u8_s8(q.x & 0xF0F0F0F0u, xh.x, hi);
         lo = __dp4a((int)(q.y & 0x0F0F0F0Fu), xl.y, lo);
-        hi = __dp4a((int)((q.y >> 4) & 0x0F0F0F0Fu), xh.y, hi);
+        hi = dp4a_u8_s8(q.y & 0xF0F0F0F0u, xh.y, hi);
         lo = __dp4a((int)(q.z & 0x0F0F0F0Fu), xl.z, lo);
-        hi = __dp4a((int)((q.z >> 4) & 0x0F0F0F0Fu), xh.z, hi);
+        hi = dp4a_u8_s8(q.z & 0xF0F0F0F0u, xh.z, hi);
         lo = __dp4a((int)(q.w & 0x0F0F0F0Fu), xl.w, lo);
-        hi = __dp4a((int)((q.w >> 4) & 0x0F0F0F0Fu), xh.w, hi);
-        uint32_t hw[4] = {l.hw[rr].x, l.hw[rr].y, l.hw[rr].z, l.hw[rr].w};
-        float2 d = __half22float2(*reinterpret_cast<const __half2*>(&hw[0]));
-        float sc0, m0, sc1, m1;
-        scale_min_k4(2 * g, hw + 1, &sc0, &m0);
-        scale_min_k4(2 * g + 1, hw + 1, &sc1, &m1);
+        hi = dp4a_u8_s8(q.w & 0xF0F0F0F0u, xh.w, hi);
+        hi >>= 4;  // exact: the high nibbles were 16 times their value
+        // Scales (sc) and mins (m) of sub-blocks j and j + 1, in bytes 0 and 1 (see `scale_min_k4`).
+        uint32_t w0 = l.hw[rr].y, w1 = l.hw[rr].z, w2 = l.hw[rr].w;
+        uint32_t sc_src = ln.upper ? w2 : w0, m_src = ln.upper ? w2 >> 4 : w1;
+        uint32_t sc = ((sc_src >> ln.shift) & ln.low_mask) | ((w0 >> (ln.shift + 2)) & ln.high_mask);
+        uint32_t m = ((m_src >> ln.shift) & ln.low_mask) | ((w1 >> (ln.shift + 2)) & ln.high_mask);
+        float sc0 = (float)(sc & 0xFF), sc1 = (float)(sc >> 8), m0 = (float)(m & 0xFF), m1 = (float)(m >> 8);
+        float2 d = __half22float2(*reinterpret_cast<const __half2*>(&l.hw[rr].x));
         acc[rr] += d.x * (sc0 * dxl * (float)lo + sc1 * dxh * (float)hi) - d.y * (m0 * slo + m1 * shi);
     }
 }
 
 // With `preloaded`, `first` holds the loads of the lane's first step (`q4k_load` at lane / 8).
+// Steps go two at a time, both loaded before either is used.
 template <int R>
 __device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, const float* xsum, float* out, bool preloaded, const Q4Loads& first) {
-    int lane = threadIdx.x & 31;
-    int nb = cols >> 8;
+    const Q4Lane ln = q4k_lane();
+    int nb = cols >> 8, b = (threadIdx.x & 31) >> 3;
     float acc[R];
 #pragma unroll
     for (int k = 0; k < R; k++) acc[k] = 0.f;
-    int b = lane >> 3;
+    const uint8_t* blk[R];
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) blk[rr] = rows[rr] + (size_t)b * 144;
+    const int8_t* xb = x8 + b * 256 + ln.xoff;
+    const float* dxb = dx + b * 8 + ln.dxoff;
+    const float* sb = xsum + b * 16 + ln.soff;
+    auto load = [&](int step, Q4Loads& l) {
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) {
+            l.hw[rr] = *reinterpret_cast<const uint4*>(blk[rr] + step * 576);
+            l.q[rr] = *reinterpret_cast<const uint4*>(blk[rr] + step * 576 + ln.qoff);
+        }
+    };
+    auto use = [&](int step, const Q4Loads& l) { q4k_use<R>(ln, l, xb + step * 1024, dxb + step * 32, sb + step * 64, acc); };
+    auto advance = [&](int steps) {
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) blk[rr] += steps * 576;
+        xb += steps * 1024;
+        dxb += steps * 32;
+        sb += steps * 64;
+        b += steps * 4;
+    };
     if (preloaded) {
-        if (b < nb) q4k_use<R>(first, b, x8, dx, xsum, acc);
-        b += 4;
+        if (b < nb) use(0, first);
+        advance(1);
     }
-#pragma unroll 2
-    for (; b < nb; b += 4) {
-        Q4Loads l;
-        q4k_load<R>(rows, b, l);
-        q4k_use<R>(l, b, x8, dx, xsum, acc);
+    for (; b + 4 < nb; advance(2)) {
+        Q4Loads l0, l1;
+        load(0, l0);
+        load(1, l1);
+        use(0, l0);
+        use(1, l1);
+    }
+    if (b < nb) {
+        Q4Loads l0;
+        load(0, l0);
+        use(0, l0);
     }
 #pragma unroll
     for (int rr = 0; rr < R; rr++) out[rr] = warp_sum(acc[rr]);
