@@ -594,36 +594,102 @@ __device__ float dot_q6_k(const uint8_t* r, int cols, const float* xs) {
     return y;
 }
 
-// R Q6_K rows · int8 activations (`x8`, one scale `dx` per 32 values): lanes and loads as in
-// `dot_q6_k`; each lane's word of four 6-bit values meets four input bytes in one `dp4a`, and the
-// values' offset of 32 takes a second (the inputs' sum, once for all R rows) where f32 inputs took
-// a conversion and a multiply-add a value (the f32 kernel was bound by instruction issue, not by
-// memory).
+// One block of a lane's Q6_K row in `dot_q6_k_q8`: its 8 low-nibble bytes at l0 and at l0 + 32
+// (qa, qb), 8 high-bit-pair bytes (qh), the 8 scales of its half (sc) and d.
+struct Q6Loads {
+    uint32_t qa[2], qb[2], qh[2], sc[2];
+    float d;
+};
+
+// R Q6_K rows · int8 activations (`x8`, one scale `dx` per 32 values). Eight lanes a block, four
+// blocks a step: lane (n, l0) takes l0 .. l0 + 7 of each of the four 32-value groups of its half
+// n (all under one scale each), so a block's scales and d are loaded once per 32 values. Q6_K
+// blocks are only 2-byte aligned: each 8 bytes come as three aligned words and two funnel
+// shifts. Each word of four 6-bit values (`q6k_words`) meets four input bytes in one `dp4a`,
+// chained over the group's two words from minus 32 times the inputs' sum (the values' offset;
+// once for all R rows). Like the Q4_K kernel this one is bound by instruction issue; steps go
+// two at a time, both loaded before either is used.
 template <int R>
 __device__ __forceinline__ void dot_q6_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, float* out) {
-    int s = threadIdx.x & 15, n = s >> 3, l0 = (s & 7) * 4;
+    int lane = threadIdx.x & 31, sub = lane & 7, n = sub >> 2, l0 = (sub & 3) * 8, c = (sub & 3) >> 1;
+    const int qa_w = (64 * n + l0) / 4, qh_w = (128 + 32 * n + l0) / 4, sc_w = (192 + 8 * n) / 4;
+    const uint32_t sc_pick = c | (c + 2) << 4 | (c + 4) << 8 | (c + 6) << 12;  // scales l0 / 16 + {0, 2, 4, 6}
     const float scale_byte = 8388608.f + 128.f;
-    q6k_dot<R>(rows, cols, out, [&](int b, const uint32_t (*q)[4], const uint32_t* sc, float* sums) {
-        const int8_t* xp = x8 + b * 256 + 128 * n + l0;
-        const float* dp = dx + b * 8 + 4 * n;
-        int xw[4], offset[4];
+    int nb = cols >> 8, b = lane >> 3;
+    const uint8_t* blk[R];
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) blk[rr] = rows[rr] + (size_t)b * 210;
+    const int8_t* xb = x8 + b * 256 + 128 * n + l0;
+    const float* db = dx + b * 8 + 4 * n;
+    float acc[R];
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) acc[rr] = 0.f;
+    auto load = [&](int step, Q6Loads* l) {
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) {
+            const uint8_t* p = blk[rr] + step * 840;
+            const uint32_t* w = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(p) & ~(uintptr_t)3);
+            uint32_t shift = (uint32_t)(reinterpret_cast<uintptr_t>(p) & 2) * 8;
+            auto eight = [&](int at, uint32_t* out2) {
+                uint32_t w0 = __ldg(w + at), w1 = __ldg(w + at + 1), w2 = __ldg(w + at + 2);
+                out2[0] = __funnelshift_r(w0, w1, shift);
+                out2[1] = __funnelshift_r(w1, w2, shift);
+            };
+            eight(qa_w, l[rr].qa);
+            eight(qa_w + 8, l[rr].qb);
+            eight(qh_w, l[rr].qh);
+            eight(sc_w, l[rr].sc);
+            l[rr].d = half_at(p, 208);
+        }
+    };
+    auto use = [&](int step, const Q6Loads* l) {
+        const int8_t* xp = xb + step * 1024;
+        const float* dp = db + step * 32;
+        int2 xw[4];
+        int start[4];
+        float dxj[4];
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            xw[j] = *reinterpret_cast<const int*>(xp + 32 * j);
-            offset[j] = 32 * __dp4a(0x01010101, xw[j], 0);
+            xw[j] = *reinterpret_cast<const int2*>(xp + 32 * j);
+            start[j] = -32 * __dp4a(0x01010101, xw[j].y, __dp4a(0x01010101, xw[j].x, 0));
+            dxj[j] = dp[j];
         }
 #pragma unroll
         for (int rr = 0; rr < R; rr++) {
+            Q6Step lo = {{l[rr].qa[0]}, {l[rr].qb[0]}, {l[rr].qh[0]}}, hi = {{l[rr].qa[1]}, {l[rr].qb[1]}, {l[rr].qh[1]}};
+            uint32_t q0[4], q1[4];
+            q6k_words(lo, 0, q0);
+            q6k_words(hi, 0, q1);
+            uint32_t sc = __byte_perm(l[rr].sc[0], l[rr].sc[1], sc_pick) ^ 0x80808080u;
             float sum = 0.f;
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-                int v = __dp4a((int)q[rr][j], xw[j], 0) - offset[j];  // |v| < 2^16
+                int v = __dp4a((int)q1[j], xw[j].y, __dp4a((int)q0[j], xw[j].x, start[j]));  // |v| < 2^16
                 float f = __int_as_float(v + 0x4B400000) - 12582912.f;  // exact for |v| < 2^22
-                sum = fmaf(byte_float(sc[rr], j, scale_byte) * dp[j], f, sum);
+                sum = fmaf(byte_float(sc, j, scale_byte) * dxj[j], f, sum);
             }
-            sums[rr] = sum;
+            acc[rr] = fmaf(l[rr].d, sum, acc[rr]);
         }
-    });
+    };
+    auto advance = [&](int steps) {
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) blk[rr] += steps * 840;
+        xb += steps * 1024;
+        db += steps * 32;
+        b += steps * 4;
+    };
+    // Every lane of the warp makes the same passes (lanes whose row ends a step earlier skip that
+    // step), so the warp never runs a last step for some lanes after the others' pairs.
+    for (int warp_b = b - ((threadIdx.x & 31) >> 3); warp_b < nb; warp_b += 8, advance(2)) {
+        bool has0 = b < nb, has1 = b + 4 < nb;
+        Q6Loads l0[R], l1[R];
+        if (has0) load(0, l0);
+        if (has1) load(1, l1);
+        if (has0) use(0, l0);
+        if (has1) use(1, l1);
+    }
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) out[rr] = warp_sum(acc[rr]);
 }
 
 // Bytes that `n` values of one row take in `fmt` (n a whole number of blocks).
@@ -819,7 +885,7 @@ __device__ __forceinline__ void q4k_load(const uint8_t* const* rows, int b, Q4Lo
     }
 }
 
-template <int R>
+template <int R, bool IN_SHARED = false>
 __device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, const float* xsum, float* out, bool preloaded = false, const Q4Loads& first = Q4Loads{});
 
 // The staged input of an int8 instance (`q4k` = 2): `in.xs` quantized into the space of the
@@ -1066,7 +1132,7 @@ __device__ __forceinline__ void q4k_use(const Q4Lane& ln, const Q4Loads& l, cons
 
 // With `preloaded`, `first` holds the loads of the lane's first step (`q4k_load` at lane / 8).
 // Steps go two at a time, both loaded before either is used.
-template <int R>
+template <int R, bool IN_SHARED>
 __device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, const float* xsum, float* out, bool preloaded, const Q4Loads& first) {
     const Q4Lane ln = q4k_lane();
     int nb = cols >> 8, b = (threadIdx.x & 31) >> 3;
@@ -1099,17 +1165,22 @@ __device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols
         if (b < nb) use(0, first);
         advance(1);
     }
-    for (; b + 4 < nb; advance(2)) {
-        Q4Loads l0, l1;
-        load(0, l0);
-        load(1, l1);
-        use(0, l0);
-        use(1, l1);
+    if (IN_SHARED) {  // rows in shared memory (`q4k_gated_ring`): nothing to keep in flight
+        for (; b < nb; advance(1)) {
+            Q4Loads l;
+            load(0, l);
+            use(0, l);
+        }
     }
-    if (b < nb) {
-        Q4Loads l0;
-        load(0, l0);
-        use(0, l0);
+    // Every lane of the warp makes the same passes (lanes whose row ends a step earlier skip that
+    // step), so the warp never runs a last step for some lanes after the others' pairs.
+    for (int warp_b = b - ((threadIdx.x & 31) >> 3); !IN_SHARED && warp_b < nb; warp_b += 8, advance(2)) {
+        bool has0 = b < nb, has1 = b + 4 < nb;
+        Q4Loads l0, l1;
+        if (has0) load(0, l0);
+        if (has1) load(1, l1);
+        if (has0) use(0, l0);
+        if (has1) use(1, l1);
     }
 #pragma unroll
     for (int rr = 0; rr < R; rr++) out[rr] = warp_sum(acc[rr]);
@@ -1171,7 +1242,7 @@ __device__ void q4k_gated_ring(const MvArgs& a, uint8_t* smem) {
         const uint8_t* slot = slot_of(i % STAGES);
         const uint8_t* pair[2] = {slot, slot + rb};
         float gu[2];
-        dot_q4_k_q8<2>(pair, cols, x8, dx, xsum, gu);
+        dot_q4_k_q8<2, true>(pair, cols, x8, dx, xsum, gu);
         if (lane == 0) {
             float gv = gu[0] + (a.seg[0].bias ? a.seg[0].bias[r] : 0.f), uv = gu[1] + (a.seg[1].bias ? a.seg[1].bias[r] : 0.f);
             store_out(a, r, (a.mode == MODE_SILU ? silu(gv) : gelu_tanh(gv)) * uv);
