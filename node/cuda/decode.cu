@@ -1104,7 +1104,7 @@ __device__ __forceinline__ int dp4a_u8_s8(uint32_t a, int b, int c) {
 template <int R>
 __device__ __forceinline__ void q4k_use(const Q4Lane& ln, const Q4Loads& l, const int8_t* x8, const float* dx, const float* xsum, float* acc) {
     int4 xl = *reinterpret_cast<const int4*>(x8), xh = *reinterpret_cast<const int4*>(x8 + 32);
-    float dxl = dx[0], dxh = dx[1];
+    float dxl = dx[0], dxh16 = dx[1] * 0.0625f;  // the high nibbles' sums come 16 times too large
     float slo = xsum[0], shi = xsum[2];
 #pragma unroll
     for (int rr = 0; rr < R; rr++) {
@@ -1118,15 +1118,16 @@ __device__ __forceinline__ void q4k_use(const Q4Lane& ln, const Q4Loads& l, cons
         hi = dp4a_u8_s8(q.z & 0xF0F0F0F0u, xh.z, hi);
         lo = __dp4a((int)(q.w & 0x0F0F0F0Fu), xl.w, lo);
         hi = dp4a_u8_s8(q.w & 0xF0F0F0F0u, xh.w, hi);
-        hi >>= 4;  // exact: the high nibbles were 16 times their value
         // Scales (sc) and mins (m) of sub-blocks j and j + 1, in bytes 0 and 1 (see `scale_min_k4`).
         uint32_t w0 = l.hw[rr].y, w1 = l.hw[rr].z, w2 = l.hw[rr].w;
         uint32_t sc_src = ln.upper ? w2 : w0, m_src = ln.upper ? w2 >> 4 : w1;
         uint32_t sc = ((sc_src >> ln.shift) & ln.low_mask) | ((w0 >> (ln.shift + 2)) & ln.high_mask);
         uint32_t m = ((m_src >> ln.shift) & ln.low_mask) | ((w1 >> (ln.shift + 2)) & ln.high_mask);
-        float sc0 = (float)(sc & 0xFF), sc1 = (float)(sc >> 8), m0 = (float)(m & 0xFF), m1 = (float)(m >> 8);
+        // Scaled sums in integers (|sc · hi| < 2^25: exact as floats), so two conversions, not four.
+        float lo_s = (float)((int)(sc & 0xFF) * lo), hi_s = (float)((int)(sc >> 8) * hi);
+        float m0 = (float)(m & 0xFF), m1 = (float)(m >> 8);
         float2 d = __half22float2(*reinterpret_cast<const __half2*>(&l.hw[rr].x));
-        acc[rr] += d.x * (sc0 * dxl * (float)lo + sc1 * dxh * (float)hi) - d.y * (m0 * slo + m1 * shi);
+        acc[rr] += d.x * fmaf(dxh16, hi_s, dxl * lo_s) - d.y * fmaf(m1, shi, m0 * slo);
     }
 }
 
