@@ -1077,7 +1077,7 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // inputs times their scale. Lanes as in `dot_q4_k`: 8 a block, 4 blocks a step. These kernels
 // are bound by instruction issue (`ncu`: 3.7 bytes of weights an instruction against 12 for
 // f16 rows), so a step is written for few instructions: high nibbles stay in place (a `dp4a`
-// of unsigned bytes, 16 times the sum, shifted back once), and the lane's two 6-bit scales and
+// of unsigned bytes, 16 times the sum, taken out with the input's scale), and the lane's two 6-bit scales and
 // mins are cut from the packed bytes without branches, both at once (`Q4Lane`).
 struct Q4Lane {
     int qoff, xoff, dxoff, soff;  // the lane's nibbles in a block, its inputs, their scale, their sums
