@@ -630,8 +630,10 @@ __device__ __forceinline__ void dot_q6_k_q8(const uint8_t* const* rows, int cols
             const uint8_t* p = blk[rr] + step * 840;
             const uint32_t* w = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(p) & ~(uintptr_t)3);
             uint32_t shift = (uint32_t)(reinterpret_cast<uintptr_t>(p) & 2) * 8;
+            // (The third word only where the block starts 2 bytes past a word: for an aligned
+            // last block of a tensor, the scales' third word would lie past its end.)
             auto eight = [&](int at, uint32_t* out2) {
-                uint32_t w0 = __ldg(w + at), w1 = __ldg(w + at + 1), w2 = __ldg(w + at + 2);
+                uint32_t w0 = __ldg(w + at), w1 = __ldg(w + at + 1), w2 = shift ? __ldg(w + at + 2) : 0u;
                 out2[0] = __funnelshift_r(w0, w1, shift);
                 out2[1] = __funnelshift_r(w1, w2, shift);
             };
