@@ -594,6 +594,22 @@ __device__ float dot_q6_k(const uint8_t* r, int cols, const float* xs) {
     return y;
 }
 
+// A lane's walk over its steps of quantized rows (4 blocks apart, from block b), two at a time,
+// both loaded before either is used. Every lane of the warp makes the same passes (a lane whose
+// row ends a step earlier skips that step), so the warp never runs a last step for some lanes
+// after the others' pairs. `advance(2)` moves b (and the walk's pointers) on by two steps.
+template <typename Loads, typename Load, typename Use, typename Advance>
+__device__ __forceinline__ void two_steps_at_a_time(const int& b, int nb, Load load, Use use, Advance advance) {
+    for (int warp_b = b - ((threadIdx.x & 31) >> 3); warp_b < nb; warp_b += 8, advance(2)) {
+        bool has0 = b < nb, has1 = b + 4 < nb;
+        Loads l0, l1;
+        if (has0) load(0, l0);
+        if (has1) load(1, l1);
+        if (has0) use(0, l0);
+        if (has1) use(1, l1);
+    }
+}
+
 // One block of a lane's Q6_K row in `dot_q6_k_q8`: its 8 low-nibble bytes at l0 and at l0 + 32
 // (qa, qb), 8 high-bit-pair bytes (qh), the 8 scales of its half (sc) and d.
 struct Q6Loads {
@@ -680,16 +696,7 @@ __device__ __forceinline__ void dot_q6_k_q8(const uint8_t* const* rows, int cols
         db += steps * 32;
         b += steps * 4;
     };
-    // Every lane of the warp makes the same passes (lanes whose row ends a step earlier skip that
-    // step), so the warp never runs a last step for some lanes after the others' pairs.
-    for (int warp_b = b - ((threadIdx.x & 31) >> 3); warp_b < nb; warp_b += 8, advance(2)) {
-        bool has0 = b < nb, has1 = b + 4 < nb;
-        Q6Loads l0[R], l1[R];
-        if (has0) load(0, l0);
-        if (has1) load(1, l1);
-        if (has0) use(0, l0);
-        if (has1) use(1, l1);
-    }
+    two_steps_at_a_time<Q6Loads[R]>(b, nb, load, use, advance);
 #pragma unroll
     for (int rr = 0; rr < R; rr++) out[rr] = warp_sum(acc[rr]);
 }
@@ -1174,16 +1181,8 @@ __device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols
             load(0, l);
             use(0, l);
         }
-    }
-    // Every lane of the warp makes the same passes (lanes whose row ends a step earlier skip that
-    // step), so the warp never runs a last step for some lanes after the others' pairs.
-    for (int warp_b = b - ((threadIdx.x & 31) >> 3); !IN_SHARED && warp_b < nb; warp_b += 8, advance(2)) {
-        bool has0 = b < nb, has1 = b + 4 < nb;
-        Q4Loads l0, l1;
-        if (has0) load(0, l0);
-        if (has1) load(1, l1);
-        if (has0) use(0, l0);
-        if (has1) use(1, l1);
+    } else {
+        two_steps_at_a_time<Q4Loads>(b, nb, load, use, advance);
     }
 #pragma unroll
     for (int rr = 0; rr < R; rr++) out[rr] = warp_sum(acc[rr]);
