@@ -620,8 +620,8 @@ struct Q6Loads {
 // R Q6_K rows · int8 activations (`x8`, one scale `dx` per 32 values). Eight lanes a block, four
 // blocks a step: lane (n, l0) takes l0 .. l0 + 7 of each of the four 32-value groups of its half
 // n (all under one scale each), so a block's scales and d are loaded once per 32 values. Q6_K
-// blocks are only 2-byte aligned: each 8 bytes come as three aligned words and two funnel
-// shifts. Each word of four 6-bit values (`q6k_words`) meets four input bytes in one `dp4a`,
+// blocks are only 2-byte aligned: each 8 bytes come as aligned words (three where the block
+// starts off a word, else two) and two funnel shifts. Each word of four 6-bit values (`q6k_words`) meets four input bytes in one `dp4a`,
 // chained over the group's two words from minus 32 times the inputs' sum (the values' offset;
 // once for all R rows). Like the Q4_K kernel this one is bound by instruction issue; steps go
 // two at a time, both loaded before either is used.
