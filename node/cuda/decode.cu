@@ -528,9 +528,9 @@ __device__ __forceinline__ void q6k_load(const uint8_t* r, int nb, int b0, Q6Ste
         }
     }
 }
-// Block k of a step: values l0 + c + {0, 32, 64, 96} of the lane's half, stored + 32, four to a word.
-__device__ __forceinline__ void q6k_words(const Q6Step& st, int k, uint32_t* q) {
-    uint32_t h = st.qh[k], qa = st.qa[k], qb = st.qb[k];
+// Four bytes of low nibbles at l (qa) and at l + 32 (qb) and of high bit pairs (h) as the values
+// l + c + {0, 32, 64, 96} of a block's half (c = 0..3), stored + 32, four to a word.
+__device__ __forceinline__ void q6k_words(uint32_t qa, uint32_t qb, uint32_t h, uint32_t* q) {
     q[0] = (qa & 0x0F0F0F0Fu) | ((h << 4) & 0x30303030u);
     q[1] = (qb & 0x0F0F0F0Fu) | ((h << 2) & 0x30303030u);
     q[2] = ((qa >> 4) & 0x0F0F0F0Fu) | (h & 0x30303030u);
@@ -559,7 +559,7 @@ __device__ __forceinline__ void q6k_dot(const uint8_t* const* rows, int cols, fl
                 float sums[R];
 #pragma unroll
                 for (int rr = 0; rr < R; rr++) {
-                    q6k_words(st[rr], k, q[rr]);
+                    q6k_words(st[rr].qa[k], st[rr].qb[k], st[rr].qh[k], q[rr]);
                     sc[rr] = st[rr].scw[k] ^ 0x80808080u;
                 }
                 block_sum(b, q, sc, sums);
@@ -621,10 +621,10 @@ struct Q6Loads {
 // blocks a step: lane (n, l0) takes l0 .. l0 + 7 of each of the four 32-value groups of its half
 // n (all under one scale each), so a block's scales and d are loaded once per 32 values. Q6_K
 // blocks are only 2-byte aligned: each 8 bytes come as aligned words (three where the block
-// starts off a word, else two) and two funnel shifts. Each word of four 6-bit values (`q6k_words`) meets four input bytes in one `dp4a`,
-// chained over the group's two words from minus 32 times the inputs' sum (the values' offset;
-// once for all R rows). Like the Q4_K kernel this one is bound by instruction issue; steps go
-// two at a time, both loaded before either is used.
+// starts off a word, else two) and two funnel shifts. Each word of four 6-bit values
+// (`q6k_words`) meets four input bytes in one `dp4a`, chained over the group's two words from
+// minus 32 times the inputs' sum (the values' offset; once for all R rows). Like the Q4_K kernel
+// this one is bound by instruction issue; steps go two at a time (`two_steps_at_a_time`).
 template <int R>
 __device__ __forceinline__ void dot_q6_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, float* out) {
     int lane = threadIdx.x & 31, sub = lane & 7, n = sub >> 2, l0 = (sub & 3) * 8, c = (sub & 3) >> 1;
@@ -674,10 +674,9 @@ __device__ __forceinline__ void dot_q6_k_q8(const uint8_t* const* rows, int cols
         }
 #pragma unroll
         for (int rr = 0; rr < R; rr++) {
-            Q6Step lo = {{l[rr].qa[0]}, {l[rr].qb[0]}, {l[rr].qh[0]}}, hi = {{l[rr].qa[1]}, {l[rr].qb[1]}, {l[rr].qh[1]}};
             uint32_t q0[4], q1[4];
-            q6k_words(lo, 0, q0);
-            q6k_words(hi, 0, q1);
+            q6k_words(l[rr].qa[0], l[rr].qb[0], l[rr].qh[0], q0);
+            q6k_words(l[rr].qa[1], l[rr].qb[1], l[rr].qh[1], q1);
             uint32_t sc = __byte_perm(l[rr].sc[0], l[rr].sc[1], sc_pick) ^ 0x80808080u;
             float sum = 0.f;
 #pragma unroll
@@ -878,19 +877,34 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
     return Staged{xs, xp, xsum, nullptr, nullptr};
 }
 
-// One step of `dot_q4_k_q8`'s loads for R rows: block b's header and this lane's 16 nibble bytes.
+// Where a lane's values lie in a Q4_K block for `dot_q4_k_q8` (8 lanes a block: sub-blocks
+// 2g and 2g + 1, half h of each).
+struct Q4Lane {
+    int qoff, xoff, dxoff, soff;  // the lane's nibbles in a block, its inputs, their scale, their sums
+    uint32_t shift;               // 8 * (j & 3) for the lane's sub-blocks j = 2g, 2g + 1
+    uint32_t low_mask, high_mask; // sub-blocks 0-3: 6 bits from bytes 0-3; 4-7: 4 bits from 8-11 and 2 from 0-7
+    bool upper;                   // sub-blocks 4-7
+};
+
+__device__ __forceinline__ Q4Lane q4k_lane() {
+    int sub = threadIdx.x & 7, g = sub >> 1, h = sub & 1;
+    bool upper = g >= 2;
+    return Q4Lane{16 + 32 * g + 16 * h, 64 * g + 16 * h, 2 * g, 4 * g + h, (uint32_t)(16 * (g & 1)),
+                  upper ? 0x0F0Fu : 0x3F3Fu, upper ? 0x3030u : 0u, upper};
+}
+
+// One step of `dot_q4_k_q8`'s loads for R rows: the header of block `blk[rr]` and this lane's
+// 16 nibble bytes of it.
 struct Q4Loads {
     uint4 hw[2], q[2];
 };
 
 template <int R>
-__device__ __forceinline__ void q4k_load(const uint8_t* const* rows, int b, Q4Loads& l) {
-    int sub = threadIdx.x & 7, g = sub >> 1, h = sub & 1;
+__device__ __forceinline__ void q4k_load(const Q4Lane& ln, const uint8_t* const* blk, Q4Loads& l) {
 #pragma unroll
     for (int rr = 0; rr < R; rr++) {
-        const uint8_t* blk = rows[rr] + (size_t)b * 144;
-        l.hw[rr] = *reinterpret_cast<const uint4*>(blk);
-        l.q[rr] = *reinterpret_cast<const uint4*>(blk + 16 + 32 * g + 16 * h);
+        l.hw[rr] = *reinterpret_cast<const uint4*>(blk[rr]);
+        l.q[rr] = *reinterpret_cast<const uint4*>(blk[rr] + ln.qoff);
     }
 }
 
@@ -943,18 +957,18 @@ __device__ void mv_rows(const MvArgs& a) {
         preloaded = true;
     }
     // Q4_K rows with int8 activations: likewise the first step of the warp's first row or pair
-    // (with mixed formats, where that row is Q4_K; Q6_K's step, 20 registers a row, spills).
+    // (with mixed formats, where that row is Q4_K; Q6_K's first step gained nothing, session 31).
     Q4Loads q4first;
     bool q4pre = false;
     if (Q8 && a.preload && (first << a.pairs) < total) {
         int lr = first << a.pairs;
         Seg sg = seg_of_row(a, &lr);
         if ((F == FMT_Q4_K || F == FMT_ANY) && sg.fmt == FMT_Q4_K) {
-            const uint8_t* row0 = row_at(sg.w, FMT_Q4_K, lr, a.cols, k0);
-            const uint8_t* rows[2] = {row0, row0 + fmt_bytes(FMT_Q4_K, a.cols)};
+            const uint8_t* blk0 = row_at(sg.w, FMT_Q4_K, lr, a.cols, k0) + (size_t)(lane >> 3) * 144;
+            const uint8_t* blks[2] = {blk0, blk0 + fmt_bytes(FMT_Q4_K, a.cols)};
             if ((lane >> 3) < (kn >> 8)) {
-                if (PAIRS) q4k_load<2>(rows, lane >> 3, q4first);
-                else q4k_load<1>(rows, lane >> 3, q4first);
+                if (PAIRS) q4k_load<2>(q4k_lane(), blks, q4first);
+                else q4k_load<1>(q4k_lane(), blks, q4first);
             }
             q4pre = true;
         }
@@ -1088,20 +1102,6 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 // f16 rows), so a step is written for few instructions: high nibbles stay in place (a `dp4a`
 // of unsigned bytes, 16 times the sum, taken out with the input's scale), and the lane's two 6-bit scales and
 // mins are cut from the packed bytes without branches, both at once (`Q4Lane`).
-struct Q4Lane {
-    int qoff, xoff, dxoff, soff;  // the lane's nibbles in a block, its inputs, their scale, their sums
-    uint32_t shift;               // 8 * (j & 3) for the lane's sub-blocks j = 2g, 2g + 1
-    uint32_t low_mask, high_mask; // sub-blocks 0-3: 6 bits from bytes 0-3; 4-7: 4 bits from 8-11 and 2 from 0-7
-    bool upper;                   // sub-blocks 4-7
-};
-
-__device__ __forceinline__ Q4Lane q4k_lane() {
-    int sub = threadIdx.x & 7, g = sub >> 1, h = sub & 1;
-    bool upper = g >= 2;
-    return Q4Lane{16 + 32 * g + 16 * h, 64 * g + 16 * h, 2 * g, 4 * g + h, (uint32_t)(16 * (g & 1)),
-                  upper ? 0x0F0Fu : 0x3F3Fu, upper ? 0x3030u : 0u, upper};
-}
-
 __device__ __forceinline__ int dp4a_u8_s8(uint32_t a, int b, int c) {
     int d;
     asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
@@ -1132,7 +1132,8 @@ __device__ __forceinline__ void q4k_use(const Q4Lane& ln, const Q4Loads& l, cons
         uint32_t sc_src = ln.upper ? w2 : w0, m_src = ln.upper ? w2 >> 4 : w1;
         uint32_t sc = ((sc_src >> ln.shift) & ln.low_mask) | ((w0 >> (ln.shift + 2)) & ln.high_mask);
         uint32_t m = ((m_src >> ln.shift) & ln.low_mask) | ((w1 >> (ln.shift + 2)) & ln.high_mask);
-        // Scaled sums in integers (|sc · hi| < 2^25: exact as floats), so two conversions, not four.
+        // Scaled sums in integers (|sc · hi| < 2^25: exact as floats): the scales need no float
+        // conversion of their own.
         float lo_s = (float)((int)(sc & 0xFF) * lo), hi_s = (float)((int)(sc >> 8) * hi);
         float m0 = (float)(m & 0xFF), m1 = (float)(m >> 8);
         float2 d = __half22float2(*reinterpret_cast<const __half2*>(&l.hw[rr].x));
@@ -1140,7 +1141,7 @@ __device__ __forceinline__ void q4k_use(const Q4Lane& ln, const Q4Loads& l, cons
     }
 }
 
-// With `preloaded`, `first` holds the loads of the lane's first step (`q4k_load` at lane / 8).
+// With `preloaded`, `first` holds the loads of the lane's first step (block lane / 8).
 // Steps go two at a time, both loaded before either is used.
 template <int R, bool IN_SHARED>
 __device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, const float* xsum, float* out, bool preloaded, const Q4Loads& first) {
@@ -1156,11 +1157,10 @@ __device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols
     const float* dxb = dx + b * 8 + ln.dxoff;
     const float* sb = xsum + b * 16 + ln.soff;
     auto load = [&](int step, Q4Loads& l) {
+        const uint8_t* at[R];
 #pragma unroll
-        for (int rr = 0; rr < R; rr++) {
-            l.hw[rr] = *reinterpret_cast<const uint4*>(blk[rr] + step * 576);
-            l.q[rr] = *reinterpret_cast<const uint4*>(blk[rr] + step * 576 + ln.qoff);
-        }
+        for (int rr = 0; rr < R; rr++) at[rr] = blk[rr] + step * 576;
+        q4k_load<R>(ln, at, l);
     };
     auto use = [&](int step, const Q4Loads& l) { q4k_use<R>(ln, l, xb + step * 1024, dxb + step * 32, sb + step * 64, acc); };
     auto advance = [&](int steps) {
