@@ -195,8 +195,8 @@ const TRACE_RECORDS: usize = 1 << 18;
 
 /// The trace of one step, per launch kind, averaged over the layers (µs): the time from the
 /// previous launch's last block end to this one's (`span`; the spans add up to the step), when
-/// its first block started and its first wait returned (negative: before the previous
-/// launch ended), and per block (medians) the staging and the work after it, then how long the
+/// its first and its median block started and its first wait returned (negative: before the
+/// previous launch ended), and per block (medians) the staging and the work after it, then how long the
 /// last block ended after the median one.
 fn trace_summary(records: &[u64], kinds: &[usize]) -> String {
     #[derive(Clone, Default)]
@@ -224,8 +224,8 @@ fn trace_summary(records: &[u64], kinds: &[usize]) -> String {
     };
     let min = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
     let max = |v: &[f64]| v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    // Per kind: count, span, first start, first wait, stage, work, tail.
-    let mut sums = vec![[0f64; 7]; KIND_NAMES.len()];
+    // Per kind: count, span, first start, first wait, stage, work, tail, median start.
+    let mut sums = vec![[0f64; 8]; KIND_NAMES.len()];
     let mut prev_end = None;
     for (l, &kind) in launches.iter_mut().zip(kinds) {
         if l.end.is_empty() {
@@ -241,14 +241,15 @@ fn trace_summary(records: &[u64], kinds: &[usize]) -> String {
             s[4] += median(&mut l.stage);
             s[5] += median(&mut l.work);
             s[6] += end - median(&mut l.end);
+            s[7] += median(&mut l.start) - pe;
         }
         prev_end = Some(end);
     }
-    let mut out = String::from("fused step trace, µs per launch (mean over layers): kind: span | first start, first wait after the previous end | median stage, work | tail");
+    let mut out = String::from("fused step trace, µs per launch (mean over layers): kind: span | first start, median start, first wait after the previous end | median stage, work | tail");
     for (name, s) in KIND_NAMES.iter().zip(&sums) {
         if s[0] > 0.0 {
             let n = s[0];
-            out += &format!("\n  {name}: {:.2} | {:.2}, {:.2} | {:.2}, {:.2} | {:.2}", s[1] / n, s[2] / n, s[3] / n, s[4] / n, s[5] / n, s[6] / n);
+            out += &format!("\n  {name}: {:.2} | {:.2}, {:.2}, {:.2} | {:.2}, {:.2} | {:.2}", s[1] / n, s[2] / n, s[7] / n, s[3] / n, s[4] / n, s[5] / n, s[6] / n);
         }
     }
     out
@@ -627,15 +628,17 @@ impl Planner<'_> {
         }
         let cols = width.unwrap_or(0);
         args.cols = cols as i32;
-        // Long rows added into the residual are split over blocks (summed atomically), so a
+        // Long rows added into the residual are split over blocks (split-K, see `mv_rows`), so a
         // block stages only its slice of the input and the grid has enough blocks to fill the GPU.
         // SPLIT_K: input values per block for split rows (a whole number of every format's blocks).
         // Slices are equal (whole 256-value blocks, at most SPLIT_K values), so that no block row
         // is left with a short remainder while the others stream.
         // Stored launches with few rows (q/k/v) split too, when `SPLIT_STORE_ROWS` (rows, 0: never)
-        // is above theirs (7B f16 q/k/v on an H100: 22.2 -> 21.0 us, decode +2.2%).
+        // is above theirs (7B f16 q/k/v on an H100, when their rows were split: 22.2 -> 21.0 us).
         let split = (tuned("SPLIT_K", 2048) as usize).next_multiple_of(256);
-        let slices = cols.div_ceil(split);
+        // Rows of at most `SPLIT_ABOVE` values (4096) stay whole: 7B q/k/v and o (3584) whole took
+        // 7B f16 decode from 179.8 / 179.9 to 183.2 / 182.8 tok/s on an H100 (Q4_K_M unchanged).
+        let slices = if cols > tuned("SPLIT_ABOVE", 4096) as usize { cols.div_ceil(split) } else { 1 };
         let stored_rows: i32 = args.seg[..parts.len()].iter().map(|s| s.rows).sum();
         // Atomic split-K adds need a zeroed output: there stored launches stay whole.
         let split_store = mode == MODE_STORE && !atomic_split() && stored_rows < tuned("SPLIT_STORE_ROWS", 8192) as i32;
