@@ -96,7 +96,9 @@ int main(int argc, char** argv) {
             CK(cudaMemset(out, 0, (size_t)c.rows * 2 * 4));
             bool gated = c.mode == MODE_SILU;
             int split = getenv("MV_SPLIT") ? atoi(getenv("MV_SPLIT")) : 2048;  // values a split-K slice (SHOAL_FUSED_SPLIT_K)
-            int nslices = (c.cols + split - 1) / split;  // equal slices, as cuda_decode.rs
+            // Equal slices, as cuda_decode.rs, for rows longer than MV_SPLIT_ABOVE (4,096) values.
+            int split_above = getenv("MV_SPLIT_ABOVE") ? atoi(getenv("MV_SPLIT_ABOVE")) : 4096;
+            int nslices = c.cols > split_above ? (c.cols + split - 1) / split : 1;
             // MV_SPLIT_STORE=1: stored launches under 8,192 rows split too (cuda_decode.rs's default).
             bool split_store = getenv("MV_SPLIT_STORE") && atoi(getenv("MV_SPLIT_STORE")) && c.mode == MODE_STORE && c.rows * c.nseg < 8192;
             int slice = ((c.mode == MODE_ADD || split_store) && nslices > 1) ? ((c.cols / 256 + nslices - 1) / nslices) * 256 : c.cols;
