@@ -196,8 +196,8 @@ const TRACE_RECORDS: usize = 1 << 18;
 /// The trace of one step, per launch kind, averaged over the layers (µs): the time from the
 /// previous launch's last block end to this one's (`span`; the spans add up to the step), when
 /// its first and its median block started and its first wait returned (negative: before the
-/// previous launch ended), and per block (medians) the staging and the work after it, then how long the
-/// last block ended after the median one.
+/// previous launch ended), and per block (medians) the staging and the work after it, then how
+/// long the last block ended after the median one.
 fn trace_summary(records: &[u64], kinds: &[usize]) -> String {
     #[derive(Clone, Default)]
     struct PerLaunch {
@@ -224,7 +224,8 @@ fn trace_summary(records: &[u64], kinds: &[usize]) -> String {
     };
     let min = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
     let max = |v: &[f64]| v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    // Per kind: count, span, first start, first wait, stage, work, tail, median start.
+    // Per kind: count, then the printed columns in order (span, first start, median start,
+    // first wait, stage, work, tail).
     let mut sums = vec![[0f64; 8]; KIND_NAMES.len()];
     let mut prev_end = None;
     for (l, &kind) in launches.iter_mut().zip(kinds) {
@@ -237,11 +238,11 @@ fn trace_summary(records: &[u64], kinds: &[usize]) -> String {
             s[0] += 1.0;
             s[1] += end - pe;
             s[2] += min(&l.start) - pe;
-            s[3] += min(&l.waited) - pe;
-            s[4] += median(&mut l.stage);
-            s[5] += median(&mut l.work);
-            s[6] += end - median(&mut l.end);
-            s[7] += median(&mut l.start) - pe;
+            s[3] += median(&mut l.start) - pe;
+            s[4] += min(&l.waited) - pe;
+            s[5] += median(&mut l.stage);
+            s[6] += median(&mut l.work);
+            s[7] += end - median(&mut l.end);
         }
         prev_end = Some(end);
     }
@@ -249,7 +250,7 @@ fn trace_summary(records: &[u64], kinds: &[usize]) -> String {
     for (name, s) in KIND_NAMES.iter().zip(&sums) {
         if s[0] > 0.0 {
             let n = s[0];
-            out += &format!("\n  {name}: {:.2} | {:.2}, {:.2}, {:.2} | {:.2}, {:.2} | {:.2}", s[1] / n, s[2] / n, s[7] / n, s[3] / n, s[4] / n, s[5] / n, s[6] / n);
+            out += &format!("\n  {name}: {:.2} | {:.2}, {:.2}, {:.2} | {:.2}, {:.2} | {:.2}", s[1] / n, s[2] / n, s[3] / n, s[4] / n, s[5] / n, s[6] / n, s[7] / n);
         }
     }
     out
@@ -637,7 +638,7 @@ impl Planner<'_> {
         // is above theirs (7B f16 q/k/v on an H100, when their rows were split: 22.2 -> 21.0 us).
         let split = (tuned("SPLIT_K", 2048) as usize).next_multiple_of(256);
         // Rows of at most `SPLIT_ABOVE` values (4096) stay whole: 7B q/k/v and o (3584) whole took
-        // 7B f16 decode from 179.8 / 179.9 to 183.2 / 182.8 tok/s on an H100 (Q4_K_M unchanged).
+        // 7B f16 decode from 179.8 / 179.9 to 183.4 / 183.3 tok/s on an H100 (Q4_K_M unchanged).
         let slices = if cols > tuned("SPLIT_ABOVE", 4096) as usize { cols.div_ceil(split) } else { 1 };
         let stored_rows: i32 = args.seg[..parts.len()].iter().map(|s| s.rows).sum();
         // Atomic split-K adds need a zeroed output: there stored launches stay whole.
