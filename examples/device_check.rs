@@ -12,7 +12,8 @@
 //!     quantized weights are compared with candle's f32-activation kernels, which the fused step
 //!     matches with `SHOAL_FUSED_RING=0`. `--int8`: the fused step's Q4_K and Q6_K rows take int8
 //!     activations, so it must only be as close to that f32 result as candle's own
-//!     8-bit-activation kernels (MMVQ) are, in largest difference and in top-1 ids;
+//!     8-bit-activation kernels (MMVQ) are, in largest difference and in root mean square
+//!     difference (within 10%); top-1 agreement is printed for both, not judged;
 //!   device_check prompt <model> [--device cuda] [--tokens 600]
 //!     a long prompt's last logits with quantized matrices dequantized to f16 for cuBLAS (what
 //!     prompts of 512 tokens and more take) and through candle's MMQ kernels (int8 activations),
@@ -229,22 +230,29 @@ fn main() -> anyhow::Result<()> {
             candle_core::quantized::cuda::set_force_dmmv(false);
             let mmvq = if int8 { Some(run(false, Some(&toks))?.1) } else { None };
             m.shard.set_fused_decode(true);
-            // (largest |Δlogit|, its fraction of the range, equal top-1 ids) of `xs` against `plain`.
+            // (largest |Δlogit|, its fraction of the range, equal top-1 ids, root mean square
+            // |Δlogit| over every step and logit) of `xs` against `plain`.
             let against = |xs: &[Vec<f32>]| {
-                xs.iter().zip(&plain).fold((0f32, 0f32, 0usize), |(abs, rel, top), (a, b)| {
+                let (abs, rel, top, sq, count) = xs.iter().zip(&plain).fold((0f32, 0f32, 0usize, 0f64, 0usize), |(abs, rel, top, sq, count), (a, b)| {
                     let g = gap(a, b);
-                    (abs.max(g.0), rel.max(g.1), top + usize::from(argmax(a) == argmax(b)))
-                })
+                    let s: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
+                    (abs.max(g.0), rel.max(g.1), top + usize::from(argmax(a) == argmax(b)), sq + s, count + a.len())
+                });
+                (abs, rel, top, (sq / count.max(1) as f64).sqrt())
             };
-            let (abs, rel, same_top) = against(&fused);
+            let (abs, rel, same_top, rms) = against(&fused);
+            // With int8 activations the judge is the error itself, largest and root mean square,
+            // against candle's own 8-bit-activation kernels' (10% slack on the mean). Top-1 counts are
+            // printed, not judged: on random weights near-ties decide them, and a step within the
+            // error bound may still flip one.
             let (ok, bound) = match &mmvq {
                 None => (rel <= 2e-2, String::new()),
                 Some(q) => {
-                    let (_, q_rel, q_top) = against(q);
-                    (rel <= q_rel.max(2e-2) && same_top >= q_top, format!("; candle's 8-bit-activation kernels: {q_rel:.2e} of range, top-1 equal {q_top}/{n}"))
+                    let (_, q_rel, q_top, q_rms) = against(q);
+                    (rel <= q_rel.max(2e-2) && rms <= 1.1 * q_rms, format!("; candle's 8-bit-activation kernels: {q_rel:.2e} of range, rms {q_rms:.3e}, top-1 equal {q_top}/{n}"))
                 }
             };
-            println!("{} {model}: fused vs candle decode over {n} steps: max |Δlogit| {abs:.3e} ({rel:.2e} of range), top-1 equal {same_top}/{n}{bound}", if ok { "PASS" } else { "FAIL" });
+            println!("{} {model}: fused vs candle decode over {n} steps: max |Δlogit| {abs:.3e} ({rel:.2e} of range), rms {rms:.3e}, top-1 equal {same_top}/{n}{bound}", if ok { "PASS" } else { "FAIL" });
             failures += usize::from(!ok);
         }
         (Some("prompt"), Some(model)) => {
