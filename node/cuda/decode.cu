@@ -187,6 +187,7 @@ __device__ void trace_block(unsigned long long* trace, int launch) {
     if (!trace) return;
     __syncthreads();
     if (threadIdx.x == 0) {
+        unsigned long long end = now_ns();  // before the shared counter's round trip
         unsigned long long slot = atomicAdd(trace, 1ull);
         if (slot < trace[1]) {
             unsigned smid;
@@ -195,7 +196,7 @@ __device__ void trace_block(unsigned long long* trace, int launch) {
             r[0] = trace_started;
             r[1] = trace_waited;
             r[2] = trace_ready;
-            r[3] = now_ns();
+            r[3] = end;
             r[4] = ((unsigned long long)launch << 32) | ((unsigned long long)smid << 20) | (blockIdx.y * gridDim.x + blockIdx.x);
         }
     }
