@@ -727,6 +727,7 @@ struct Staged {
     const float* xsum;
     const int8_t* x8;
     const float* dx;
+    unsigned tag;  // the step's tag (`load_tagged`), read before the wait; 0 where unused
 };
 
 // Row `row` of a matrix `cols` wide, values [k0, k0 + n), · the staged input. F: the format
@@ -775,8 +776,8 @@ __device__ __forceinline__ float gelu_tanh(float g) {
 }
 
 // Stores output row r (a stored launch's, not one added into the residual).
-__device__ __forceinline__ void store_out(const MvArgs& a, int r, float y) {
-    if (a.tag_out) store_tagged(a.out, r, y, (unsigned)*a.tag);
+__device__ __forceinline__ void store_out(const MvArgs& a, int r, float y, unsigned tag) {
+    if (a.tag_out) store_tagged(a.out, r, y, tag);
     else a.out[r] = y;
 }
 
@@ -814,6 +815,8 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
     __shared__ float scratch[32];
     int lane = threadIdx.x & 31;
     allow_next_kernel();
+    // Written before the step's first kernel: read now, off the path from input to output.
+    unsigned tag = a.tag_in || a.tag_out ? (unsigned)*a.tag : 0u;
     if (first < total) {
         if (gated) {
             prefetch_l2(row_at(a.seg[0].w, a.seg[0].fmt, first, a.cols, 0), fmt_bytes(a.seg[0].fmt, a.cols), lane);
@@ -838,7 +841,7 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
     if (!a.tag_in) wait_for_previous_kernel();
     trace_mark(a.trace, &trace_waited);
     if (a.tag_in) {
-        load_tagged(a.x + 2 * k0, kn, (unsigned)*a.tag, xs);
+        load_tagged(a.x + 2 * k0, kn, tag, xs);
     } else if (normed) {
         // One round of loads: x over the whole row (the norm takes all of it, also for a
         // split-K slice); xs holds x·w until the row's scale is known.
@@ -875,7 +878,7 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
         __syncthreads();
     }
     trace_mark(a.trace, &trace_ready);
-    return Staged{xs, xp, xsum, nullptr, nullptr};
+    return Staged{xs, xp, xsum, nullptr, nullptr, tag};
 }
 
 // Where a lane's values lie in a Q4_K block for `dot_q4_k_q8` (8 lanes a block: sub-blocks
@@ -932,6 +935,7 @@ __device__ __forceinline__ void stage_q8(Staged& in, int kn) {
 // differently from run to run).
 // PAIRS (instances of their own for their registers): Q4_K or Q6_K rows two a warp.
 // Q8: int8 activations (`q4k` = 2) for Q4_K and Q6_K rows (with FMT_ANY: matrices of both).
+#define MV_MAX_WARPS 8  // the `mv` launches' 256 threads
 template <int F, bool PAIRS = false, bool Q8 = false>
 __device__ void mv_rows(const MvArgs& a) {
     static_assert(!PAIRS || F == FMT_Q4_K || F == FMT_Q6_K && Q8, "pairs: Q4_K rows, or Q6_K rows with int8 activations");
@@ -974,13 +978,27 @@ __device__ void mv_rows(const MvArgs& a) {
             q4pre = true;
         }
     }
+    // A row's bias (added by the first slice). The warp's first rows' biases are loaded before
+    // the wait, off the path from input to output, and kept in shared memory rather than in
+    // registers across it. Nothing about a row but its index stays live across its product
+    // (the bias's segment is looked up again after it): with each row's segment held there,
+    // `mv_f16` spilled 68 bytes of registers, and decode was 6% slower (session 35).
+    auto bias_of = [&](int r) {
+        int lr = r;
+        Seg sg = seg_of_row(a, &lr);
+        return lane == 0 && r < total && sg.bias && k0 == 0 ? sg.bias[lr] : 0.f;
+    };
+    __shared__ float first_bias[MV_MAX_WARPS][2];
+    float* my_first_bias = first_bias[threadIdx.x >> 5];
+    if (lane == 0) my_first_bias[0] = bias_of(first << a.pairs), my_first_bias[1] = bias_of((first << a.pairs) + 1);
     Staged in = stage_input(a, k0, kn, false, preloaded ? total : first << a.pairs, total, reinterpret_cast<float*>(xs4));
     if (Q8) stage_q8(in, kn);
-    auto put = [&](int r, const Seg& sg, int lr, float y) {
+    // Row r's product y, the k-th of the warp's rows at a time (`first_rows`: its first ones).
+    auto put = [&](int r, int k, bool first_rows, float y) {
         if (lane == 0) {
-            if (sg.bias && k0 == 0) y += sg.bias[lr];
+            y += first_rows ? my_first_bias[k] : bias_of(r);
             if (gridDim.y > 1 && a.partial) a.partial[(size_t)blockIdx.y * total + r] = y;
-            else if (a.mode != MODE_ADD) store_out(a, r, y);
+            else if (a.mode != MODE_ADD) store_out(a, r, y, in.tag);
             else if (gridDim.y == 1) a.out[r] += y;
             else atomicAdd(&a.out[r], y);  // split-K adds without scratch (never for stores)
         }
@@ -994,8 +1012,8 @@ __device__ void mv_rows(const MvArgs& a) {
             const uint8_t* rows[2] = {row_at(sg[0].w, F, lr[0], a.cols, k0), row_at(sg[1].w, F, lr[1], a.cols, k0)};
             float y[2];
             dot_half<HF, 2>(rows, kn, in.xs, y, use_pre, pre);
-            put(r, sg[0], lr[0], y[0]);
-            if (r + 1 < total) put(r + 1, sg[1], lr[1], y[1]);
+            put(r, 0, use_pre, y[0]);
+            if (r + 1 < total) put(r + 1, 1, use_pre, y[1]);
         };
         int r = 2 * first, stride = 2 * gridDim.x * warps;
         if (preloaded) {  // peeled, so that `pre` is dead in the loop
@@ -1010,7 +1028,7 @@ __device__ void mv_rows(const MvArgs& a) {
             const uint8_t* row = row_at(sg.w, HF, lr, a.cols, k0);
             float y;
             dot_half<HF, 1>(&row, kn, in.xs, &y, use_pre, pre);
-            put(r, sg, lr, y);
+            put(r, 0, use_pre, y);
         };
         int r = first, stride = gridDim.x * warps;
         if (preloaded) {
@@ -1030,8 +1048,8 @@ __device__ void mv_rows(const MvArgs& a) {
             if (F == FMT_Q6_K) dot_q6_k_q8<2>(rows, kn, in.x8, in.dx, y);
             else if (Q8) dot_q4_k_q8<2>(rows, kn, in.x8, in.dx, in.xsum, y, use_pre, q4first);
             else dot_q4_k<2>(rows, kn, in.xp, in.xsum, y);
-            put(r, sg, lr, y[0]);
-            put(r + 1, sg, lr + 1, y[1]);
+            put(r, 0, use_pre, y[0]);
+            put(r + 1, 1, use_pre, y[1]);
         };
         int r = 2 * first, stride = 2 * gridDim.x * warps;
         if (q4pre) {  // peeled, so that `q4first` is dead in the loop
@@ -1053,7 +1071,7 @@ __device__ void mv_rows(const MvArgs& a) {
             } else {
                 y = dot_row<F>(sg.w, sg.fmt, lr, a.cols, k0, kn, in);
             }
-            put(r, sg, lr, y);
+            put(r, 0, use_pre, y);
         };
         int r = first, stride = gridDim.x * warps;
         if (q4pre) {
@@ -1079,7 +1097,7 @@ __device__ void mv_rows(const MvArgs& a) {
                 float sum = 0.f;
                 for (int s = 0; s < (int)gridDim.y; s++) sum += __ldcg(&a.partial[(size_t)s * total + r]);
                 if (a.mode == MODE_ADD) a.out[r] += sum;
-                else store_out(a, r, sum);
+                else store_out(a, r, sum, in.tag);
             }
             if (threadIdx.x == 0) a.arrivals[blockIdx.x] = 0;
         }
@@ -1232,7 +1250,8 @@ __device__ void q4k_gated_ring(const MvArgs& a, uint8_t* smem) {
     for (int s = 0; s < STAGES - 1; s++) issue(s, first + s * stride);
     // The normed input, f32, in the last slot (its first copies go out in the loop below);
     // `q4k` is 0 for this kernel's launches, and first = rows skips the L2 prefetch of rows.
-    const float* xf = stage_input(a, 0, cols, true, rows, rows, reinterpret_cast<float*>(ring + (size_t)(STAGES - 1) * slot_bytes)).xs;
+    Staged in = stage_input(a, 0, cols, true, rows, rows, reinterpret_cast<float*>(ring + (size_t)(STAGES - 1) * slot_bytes));
+    const float* xf = in.xs;
     // int8 with one scale per 32 values, and the sums of each 16 int8 values times their scale.
     quantize_q8(xf, cols, x8, dx, xsum);
     __syncthreads();
@@ -1248,7 +1267,7 @@ __device__ void q4k_gated_ring(const MvArgs& a, uint8_t* smem) {
         dot_q4_k_q8<2, true>(pair, cols, x8, dx, xsum, gu);
         if (lane == 0) {
             float gv = gu[0] + (a.seg[0].bias ? a.seg[0].bias[r] : 0.f), uv = gu[1] + (a.seg[1].bias ? a.seg[1].bias[r] : 0.f);
-            store_out(a, r, (a.mode == MODE_SILU ? silu(gv) : gelu_tanh(gv)) * uv);
+            store_out(a, r, (a.mode == MODE_SILU ? silu(gv) : gelu_tanh(gv)) * uv, in.tag);
         }
         __syncwarp();  // every lane has read the slot before it is refilled
     }
@@ -1286,7 +1305,7 @@ __device__ void mv_gated_rows(const MvArgs& a) {
         }
         if (lane == 0) {
             float g = gu[0] + (gs.bias ? gs.bias[r] : 0.f), u = gu[1] + (us.bias ? us.bias[r] : 0.f);
-            store_out(a, r, (a.mode == MODE_SILU ? silu(g) : gelu_tanh(g)) * u);
+            store_out(a, r, (a.mode == MODE_SILU ? silu(g) : gelu_tanh(g)) * u, in.tag);
         }
     };
     int r = first, stride = gridDim.x * warps;
@@ -1507,6 +1526,7 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
     int rep = a.heads / a.kv_heads, kvh = h / rep;
     // Written before the step's first kernel, not by the previous one.
     int pos = (int)*a.pos;
+    unsigned tag = a.tagged ? (unsigned)*a.tag : 0u;
     const KvSlot cache = *a.kv;
     int first = (a.window > 0 && pos + 1 > a.window) ? pos + 1 - a.window : 0;
     size_t head_base = (size_t)kvh * cache.capacity * d;
@@ -1551,7 +1571,6 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
     trace_mark(a.trace, &trace_waited);
     int kin = a.heads * d + kvh * d, vin = a.heads * d + a.kv_heads * d + kvh * d;
     if (a.tagged) {
-        unsigned tag = (unsigned)*a.tag;
         for (int w = warp; w < 3; w += warps) load_tagged_warp(a.qkv + 2 * (w == 0 ? h * d : w == 1 ? kin : vin), d, tag, w == 0 ? q : w == 1 ? kn : vn);
         __syncthreads();
     }
@@ -1629,7 +1648,7 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
             num += part[w][i] * c;
             den += wsum[w] * c;
         }
-        if (a.tagged) store_tagged(a.out, h * d + i, num / den, (unsigned)*a.tag);
+        if (a.tagged) store_tagged(a.out, h * d + i, num / den, tag);
         else a.out[h * d + i] = num / den;
     }
     trace_block(a.trace, a.launch);
