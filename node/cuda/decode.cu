@@ -999,8 +999,9 @@ __device__ void mv_rows(const MvArgs& a) {
             y += first_rows ? my_first_bias[k] : bias_of(r);
             if (gridDim.y > 1 && a.partial) a.partial[(size_t)blockIdx.y * total + r] = y;
             else if (a.mode != MODE_ADD) store_out(a, r, y, in.tag);
-            else if (gridDim.y == 1) a.out[r] += y;
-            else atomicAdd(&a.out[r], y);  // split-K adds without scratch (never for stores)
+            // Into the residual (one warp a row, or split-K without scratch) as a reduction: the warp
+            // does not wait for a load of the old value, and an f32 add rounds as `+=` does.
+            else atomicAdd(&a.out[r], y);
         }
     };
     if (HALF && a.pairs) {
@@ -1096,7 +1097,7 @@ __device__ void mv_rows(const MvArgs& a) {
                 if (r >= total) break;
                 float sum = 0.f;
                 for (int s = 0; s < (int)gridDim.y; s++) sum += __ldcg(&a.partial[(size_t)s * total + r]);
-                if (a.mode == MODE_ADD) a.out[r] += sum;
+                if (a.mode == MODE_ADD) atomicAdd(&a.out[r], sum);  // as in `put`: the only add to row r
                 else store_out(a, r, sum, in.tag);
             }
             if (threadIdx.x == 0) a.arrivals[blockIdx.x] = 0;
