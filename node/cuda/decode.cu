@@ -999,8 +999,9 @@ __device__ void mv_rows(const MvArgs& a) {
             y += first_rows ? my_first_bias[k] : bias_of(r);
             if (gridDim.y > 1 && a.partial) a.partial[(size_t)blockIdx.y * total + r] = y;
             else if (a.mode != MODE_ADD) store_out(a, r, y, in.tag);
-            // Into the residual (one warp a row, or split-K without scratch) as a reduction: the warp
-            // does not wait for a load of the old value, and an f32 add rounds as `+=` does.
+            // Into the residual (one warp a row, or split-K without scratch) as an atomic add whose
+            // result is unused: the warp does not wait for a load of the old value, and with one
+            // writer the sum is the `+=` one (rounded to nearest; a subnormal would flush to zero).
             else atomicAdd(&a.out[r], y);
         }
     };
