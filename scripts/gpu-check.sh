@@ -162,7 +162,9 @@ names = {m["id"]: (m.get("backend"), m.get("memory_available") or 0, m.get("mem_
 for p in c.get("plans", []):
     for s in p.get("stages", []):
         b, mem, bw = names.get(s["node"], ("?", 0, 0))
-        print(f"stage {s['node'][-6:]} {b:7} layers {s['start']:2}..{s['end']:2} (offers {mem/1e6:.0f} MB, {bw/1e9:.0f} GB/s)")
+        # The answering node reports its own free memory; its peers', their advertised offers.
+        what = "free" if s["node"] == c.get("self") else "offers"
+        print(f"stage {s['node'][-6:]} {b:7} layers {s['start']:2}..{s['end']:2} ({what} {mem/1e6:.0f} MB, {bw/1e9:.0f} GB/s)")
 print(f"swarm ({time.time()-t:.1f}s): {text!r}\none GPU:    {one_gpu!r}\none CPU:    {one_cpu!r}")
 ok = text is not None and text.strip() == one_gpu.strip() == one_cpu.strip()
 print("PASS: the mixed swarm's output equals one node's" if ok else "FAIL: outputs differ")
