@@ -990,7 +990,7 @@ __device__ void mv_rows(const MvArgs& a) {
     };
     __shared__ float first_bias[MV_MAX_WARPS][2];
     float* my_first_bias = first_bias[threadIdx.x >> 5];
-    if (lane == 0) my_first_bias[0] = bias_of(first << a.pairs), my_first_bias[1] = bias_of((first << a.pairs) + 1);
+    if (lane == 0) my_first_bias[0] = bias_of(first << a.pairs), my_first_bias[1] = a.pairs ? bias_of((first << a.pairs) + 1) : 0.f;
     Staged in = stage_input(a, k0, kn, false, preloaded ? total : first << a.pairs, total, reinterpret_cast<float*>(xs4));
     if (Q8) stage_q8(in, kn);
     // Row r's product y, the k-th of the warp's rows at a time (`first_rows`: its first ones).
