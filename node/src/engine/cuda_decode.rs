@@ -870,7 +870,19 @@ impl FusedDecode {
         // `SHOAL_KERNEL_OVERLAP=0`: launch each kernel only after the previous one (a diagnostic).
         let overlap = major >= 9 && std::env::var("SHOAL_KERNEL_OVERLAP").map_or(true, |v| v != "0");
         let mv_blocks = sms * tuned("MV_WAVES", 4);
-        let ring_blocks = sms * tuned("RING_WAVES", 3);
+        // The ring kernel's grid: as many blocks an SM as its shared memory holds at once, at
+        // most `MV_WAVES`' 4 (its registers allow no more). One H100 (session 36, alternating): the
+        // 1.5B Q4_K_M's gate/up (29 KB a block) at 4 an SM decoded 964.2 / 967.3 tok/s against
+        // 947.9 / 952.5 at 3; the 7B's (68 KB) fit 3 (4 was slower: a second wave).
+        let smem_per_sm = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR).map_err(driver)? as usize;
+        let reserved = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK).map_err(driver)? as usize;
+        let ring_smem = launches.iter().filter_map(|l| match l {
+            Launch::Mv { args, kernel: "mv_gated_q4_k_ring", .. } => Some(mv_smem(args)),
+            _ => None,
+        });
+        // (1 KB more a block for the kernel's static shared memory, under 1 KB.)
+        let ring_fit = ring_smem.max().map_or(3, |bytes| (smem_per_sm / (bytes + reserved + 1024)).clamp(1, 4) as u32);
+        let ring_blocks = sms * tuned("RING_WAVES", ring_fit);
         let mv_pairs = tuned("PAIRS", 1) != 0;
         let attend_threads = tuned("ATTEND_THREADS", 512).clamp(64, 512) / 32 * 32;
         let use_graph = std::env::var("SHOAL_CUDA_GRAPH").map_or(true, |v| v != "0");
@@ -1134,7 +1146,7 @@ impl FusedDecode {
                     let slices = (args.cols as u32).div_ceil(args.slice as u32);
                     let warps = MV_THREADS / 32;
                     // Fewer ring-kernel blocks fit on an SM (their rings bound them): a grid of
-                    // `ring_blocks` (3 per SM measured fastest for the 7B, 2 and 4 slower).
+                    // `ring_blocks`.
                     let most = if kernel == "mv_gated_q4_k_ring" { self.ring_blocks } else { self.mv_blocks };
                     let cap = if most == 0 { u32::MAX } else { (most / slices).max(1) };
                     // f16/bf16 rows beyond one per warp go two to a warp (`pairs` in decode.cu), and
