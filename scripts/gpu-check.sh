@@ -17,8 +17,15 @@
 #                                   `ip netns` works, loopback otherwise) serve one model; the
 #                                   plan and the output are compared with one node
 #   scripts/gpu-check.sh models [q15] [q7]   only generate (and quantize) the models
+#   scripts/gpu-check.sh ab "MODELS" "SETTINGS" [ROUNDS]   for A/B tuning: decode tok/s and roofline
+#                                   of each model (q15-f16 q15-q4km q7-f16 q7-q4km) under each
+#                                   setting in turn, ROUNDS times (2); SETTINGS are ';'-separated,
+#                                   each a list of VAR=value (SHOAL_BIN=path: another build), '' the
+#                                   defaults: ab "q15-f16" "SHOAL_FUSED_PRELOAD=0;"
+#   scripts/gpu-check.sh trace MODEL...   the fused step's per-launch timeline (SHOAL_FUSED_TRACE=1)
 # Environment: SHOAL_BIN (default .gpu/shoal), DEVICE_CHECK (.gpu/device_check), TOKENIZER
-# (.gpu/tokenizer.json), WORK (/tmp/shoal-gpu: generated models, kept between stages), OUT.
+# (.gpu/tokenizer.json), WORK (/tmp/shoal-gpu: generated models, kept between stages), OUT,
+# DEVICE (ab and trace: cuda).
 set -uo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 BIN=${SHOAL_BIN:-$here/.gpu/shoal}
@@ -101,6 +108,50 @@ if rows and "mem_bw_bytes_s" in rows[0]:
 PY
 }
 
+model_path() { # model_path q15-f16|q15-q4km|q7-f16|q7-q4km: generated if missing; prints its path
+  case ${1%%-*} in
+    q15) model q15 qwen2.5-1.5b --peaky >&2 ;;
+    q7) model q7 qwen2.5-7b >&2 ;;
+    *) echo "unknown model $1 (q15-f16, q15-q4km, q7-f16, q7-q4km)" >&2; return 1 ;;
+  esac || return 1
+  case $1 in *-q4km) echo "$WORK/$1/model.gguf" ;; *) echo "$WORK/$1" ;; esac
+}
+
+ab() { # ab "MODELS" "SETTINGS" [ROUNDS]: settings alternate within each round, so drift hits all alike
+  local models=() settings=() paths=() rounds=${3:-2} bin=$BIN
+  read -ra models <<< "${1:-}"
+  IFS=';' read -ra settings <<< "${2:-}"
+  [[ ${2:-} == *';' ]] && settings+=("")  # (read drops a trailing empty field)
+  [[ ${#settings[@]} -eq 0 ]] && settings=("")
+  for m in "${models[@]}"; do
+    local p; p=$(model_path "$m") || { fail=1; return; }
+    paths+=("$p")
+  done
+  for r in $(seq "$rounds"); do
+    for i in "${!models[@]}"; do
+      for s in "${settings[@]}"; do
+        local json
+        json=$( [[ -n ${s// } ]] && export $s; "${SHOAL_BIN:-$bin}" bench --model "${paths[$i]}" --device "${DEVICE:-cuda}" --prompt-tokens 64 --repetitions 3 --json 2>/dev/null | tail -1 )
+        python3 -c 'import json, sys
+r, m, s, j = sys.argv[1:5]
+try:
+    d = json.loads(j)
+    print("round %s  %-12s [%s]  decode %.1f tok/s  roofline %.3f" % (r, m, s, d["decode_tok_s"], d["roofline_fraction"]))
+except ValueError:
+    print("round %s  %-12s [%s]  FAILED (no benchmark result)" % (r, m, s)); sys.exit(1)' "$r" "${models[$i]}" "$s" "$json" || fail=1
+      done
+    done
+  done
+}
+
+trace() { # trace MODEL...: one traced benchmark each (64 prompt tokens), its per-launch table
+  for m in "$@"; do
+    local p; p=$(model_path "$m") || { fail=1; continue; }
+    echo "$m:"
+    SHOAL_FUSED_TRACE=1 "$BIN" bench --model "$p" --device "${DEVICE:-cuda}" --prompt-tokens 64 --repetitions 1 2>&1 | grep -A8 "fused step trace" || { echo "  no trace (not a fused CUDA step?)"; fail=1; }
+  done
+}
+
 swarm() {
   model q15 qwen2.5-1.5b --peaky || { fail=1; return; }
   # f16 weights: the GPU computes in f16, the CPUs in f32, and greedy still agrees (fidelity).
@@ -179,7 +230,9 @@ case "${1:-}" in
   bench) shift; bench "$@" ;;
   swarm) swarm ;;
   models) shift; for s in "$@"; do case $s in q15) model q15 qwen2.5-1.5b --peaky ;; q7) model q7 qwen2.5-7b ;; esac; done ;;
+  ab) shift; ab "$@" ;;
+  trace) shift; trace "$@" ;;
   all) fidelity; bench; swarm ;;
-  *) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2 ;;
+  *) sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//' >&2; exit 2 ;;
 esac
 exit $fail
