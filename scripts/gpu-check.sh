@@ -4,8 +4,8 @@
 # generated there (scripts/make-random-model.py, real shapes, random values); only the binaries
 # and tokenizer.json travel.
 #   scripts/gpu-check.sh fidelity [fixtures]   fixtures vs transformers on the GPU; Qwen2.5-1.5B-shaped
-#                                   f16 and Q4_K_M: 16 greedy tokens on the GPU equal the CPU's,
-#                                   and the fused decode step agrees with candle's ops; decoding
+#                                   f16 and Q4_K_M: 16 greedy tokens on the GPU equal the CPU's
+#                                   (f16), the fused decode step agrees with candle's ops; decoding
 #                                   with the GPU picking each token gives the host loop's; two
 #                                   sequences decoded turn about equal each decoded alone; a
 #                                   600-token Q4_K_M prompt dequantized to f16 is at least as
@@ -61,7 +61,10 @@ fidelity() {
   "$CHECK" sample --device cuda || fail=1
   model q15 qwen2.5-1.5b --peaky || { echo "FAIL making the 1.5B model"; fail=1; return; }
   "$CHECK" same "$WORK/q15-f16" --device cuda --tokens 16 || fail=1
-  "$CHECK" same "$WORK/q15-q4km/model.gguf" --device cuda --tokens 16 || fail=1
+  # Not the Q4_K_M GGUF: its free-running greedy tokens part from the CPU's at the first near-tie
+  # (the GPU quantizes activations in blocks of 32, the CPU in blocks of 256, each as llama.cpp
+  # does there), which fell at 4 to 9 of 16 in sessions 31-36; the `fused` checks below judge
+  # that path against candle's kernels instead. (`device_check same` still takes a GGUF.)
   "$CHECK" fused "$WORK/q15-f16" --device cuda --tokens 32 || fail=1
   # Q4_K and Q6_K rows take int8 activations: without them (SHOAL_FUSED_RING=0) the step matches
   # candle's f32-activation result; with them, it must be as close to it as candle's own
