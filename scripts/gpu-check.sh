@@ -55,11 +55,19 @@ model() { # model NAME SHAPE [--peaky]: a generated f16 HF dir and its Q4_K_M GG
   fi
 }
 
+shape() { # shape q15|q7: that shape's f16 model and Q4_K_M GGUF, generated if missing
+  case $1 in
+    q15) model q15 qwen2.5-1.5b --peaky ;;
+    q7) model q7 qwen2.5-7b ;;
+    *) echo "unknown shape $1 (q15, q7)" >&2; return 1 ;;
+  esac
+}
+
 fidelity() {
   "$CHECK" fixtures "$here/tests/fixtures" --device cuda || fail=1
   [[ ${1:-} == fixtures ]] && return
   "$CHECK" sample --device cuda || fail=1
-  model q15 qwen2.5-1.5b --peaky || { echo "FAIL making the 1.5B model"; fail=1; return; }
+  shape q15 || { echo "FAIL making the 1.5B model"; fail=1; return; }
   "$CHECK" same "$WORK/q15-f16" --device cuda --tokens 16 || fail=1
   # Not the Q4_K_M GGUF: its free-running greedy tokens part from the CPU's at the first near-tie
   # (the GPU quantizes activations in blocks of 32, the CPU in blocks of 256, each as llama.cpp
@@ -84,10 +92,7 @@ bench() { # bench [q15] [q7]: which model shapes (default both)
   local shapes=("$@"); [[ ${#shapes[@]} -eq 0 ]] && shapes=(q15 q7)
   local runs=()
   for s in "${shapes[@]}"; do
-    case $s in
-      q15) model q15 qwen2.5-1.5b --peaky ;;
-      q7) model q7 qwen2.5-7b ;;
-    esac || { echo "FAIL making $s"; fail=1; return; }
+    shape "$s" || { echo "FAIL making $s"; fail=1; return; }
     runs+=("$s-f16" "$s-q4km")
   done
   : > "$OUT/bench.jsonl"
@@ -112,16 +117,13 @@ PY
 }
 
 model_path() { # model_path q15-f16|q15-q4km|q7-f16|q7-q4km: generated if missing; prints its path
-  case ${1%%-*} in
-    q15) model q15 qwen2.5-1.5b --peaky >&2 ;;
-    q7) model q7 qwen2.5-7b >&2 ;;
-    *) echo "unknown model $1 (q15-f16, q15-q4km, q7-f16, q7-q4km)" >&2; return 1 ;;
-  esac || return 1
+  [[ $1 == *-f16 || $1 == *-q4km ]] || { echo "unknown model $1 (q15-f16, q15-q4km, q7-f16, q7-q4km)" >&2; return 1; }
+  shape "${1%-*}" >&2 || return 1
   case $1 in *-q4km) echo "$WORK/$1/model.gguf" ;; *) echo "$WORK/$1" ;; esac
 }
 
 ab() { # ab "MODELS" "SETTINGS" [ROUNDS]: settings alternate within each round, so drift hits all alike
-  local models=() settings=() paths=() rounds=${3:-2} bin=$BIN
+  local models=() settings=() paths=() rounds=${3:-2}
   read -ra models <<< "${1:-}"
   IFS=';' read -ra settings <<< "${2:-}"
   [[ ${2:-} == *';' ]] && settings+=("")  # (read drops a trailing empty field)
@@ -134,7 +136,7 @@ ab() { # ab "MODELS" "SETTINGS" [ROUNDS]: settings alternate within each round, 
     for i in "${!models[@]}"; do
       for s in "${settings[@]}"; do
         local json
-        json=$( [[ -n ${s// } ]] && export $s; "${SHOAL_BIN:-$bin}" bench --model "${paths[$i]}" --device "${DEVICE:-cuda}" --prompt-tokens 64 --repetitions 3 --json 2>/dev/null | tail -1 )
+        json=$( [[ -n ${s// } ]] && export $s; "${SHOAL_BIN:-$BIN}" bench --model "${paths[$i]}" --device "${DEVICE:-cuda}" --prompt-tokens 64 --repetitions 3 --json 2>/dev/null | tail -1 )
         python3 -c 'import json, sys
 r, m, s, j = sys.argv[1:5]
 try:
@@ -156,7 +158,7 @@ trace() { # trace MODEL...: one traced benchmark each (64 prompt tokens), its pe
 }
 
 swarm() {
-  model q15 qwen2.5-1.5b --peaky || { fail=1; return; }
+  shape q15 || { fail=1; return; }
   # f16 weights: the GPU computes in f16, the CPUs in f32, and greedy still agrees (fidelity).
   local m="$WORK/q15-f16" prompt="Once upon a time" n=16
   local one_gpu one_cpu
@@ -232,7 +234,7 @@ case "${1:-}" in
   fidelity) shift; fidelity "$@" ;;
   bench) shift; bench "$@" ;;
   swarm) swarm ;;
-  models) shift; for s in "$@"; do case $s in q15) model q15 qwen2.5-1.5b --peaky ;; q7) model q7 qwen2.5-7b ;; esac; done ;;
+  models) shift; for s in "$@"; do shape "$s" || fail=1; done ;;
   ab) shift; ab "$@" ;;
   trace) shift; trace "$@" ;;
   all) fidelity; bench; swarm ;;
