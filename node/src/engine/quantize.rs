@@ -1,16 +1,18 @@
 //! `shoal models quantize`: turns a Hugging Face safetensors model (llama, mistral, qwen2, qwen3)
 //! into a GGUF file that shoal (and llama.cpp's tensor layout) reads, quantized as Q4_K_M (Q4_K
 //! matrices, Q6_K for the LM head and for attn_v/ffn_down in llama.cpp's "more bits" layers),
-//! Q8_0 or F16; norms and biases stay f32. Tensors are quantized in parallel.
+//! Q8_0 or F16; norms and biases stay f32. Tensors, and chunks of a large matrix's rows, are
+//! quantized in parallel.
 //! The tokenizer is not embedded: `tokenizer.json` is copied beside the GGUF (shoal's store
 //! layout), and BOS/EOS and the chat template go into the metadata. It does not handle Gemma 3
 //! (its GGUF norms differ) or re-quantize GGUF input.
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
 use candle_core::quantized::gguf_file::Value;
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Tensor};
 use rayon::prelude::*;
 
@@ -145,7 +147,7 @@ pub fn quantize_hf_dir(src: &Path, dst: &Path, kind: QuantKind) -> Result<Quanti
                 t = permute_for_interleaved_rope(&t, if role == Role::Q { heads } else { kv_heads })?;
             }
             let dtype = target_type(kind, role, layer, layers, t.dims());
-            Ok((gguf_name(role, layer), QTensor::quantize(&t, dtype)?))
+            Ok((gguf_name(role, layer), quantize_rows(&t, dtype, CHUNK_VALUES)?))
         })
         .collect::<Result<Vec<_>>>()?;
     let mut tensors = tensors;
@@ -171,6 +173,38 @@ pub fn quantize_hf_dir(src: &Path, dst: &Path, kind: QuantKind) -> Result<Quanti
     }
     let bytes = std::fs::metadata(&gguf).map(|m| m.len()).unwrap_or(0);
     Ok(QuantizeReport { gguf, tensors: tensors.len(), bytes })
+}
+
+/// Values a task quantizes at most (whole rows; a matrix of fewer rows is one task).
+const CHUNK_VALUES: usize = 1 << 20;
+
+/// `t` quantized to `dtype` as `QTensor::quantize` does it, with its rows in chunks of about
+/// `chunk_values` quantized in parallel: blocks never span rows, so the bytes are the same, and an
+/// embedding table or LM head (hundreds of millions of values) no longer keeps one thread busy
+/// long after the other tensors are done.
+fn quantize_rows(t: &Tensor, dtype: GgmlDType, chunk_values: usize) -> Result<QTensor> {
+    let dims = t.dims().to_vec();
+    let cols = dims.last().copied().unwrap_or(0);
+    let rows = t.elem_count() / cols.max(1);
+    let chunk_rows = (chunk_values / cols.max(1)).max(1);
+    if dims.len() < 2 || rows <= chunk_rows || cols % dtype.block_size() != 0 {
+        return Ok(QTensor::quantize(t, dtype)?);
+    }
+    let matrix = t.reshape((rows, cols))?;
+    let starts: Vec<usize> = (0..rows).step_by(chunk_rows).collect();
+    let parts = starts
+        .into_par_iter()
+        .map(|r0| -> Result<Vec<u8>> {
+            let n = chunk_rows.min(rows - r0);
+            // A tensor of its own: `QTensor::quantize` reads its input's storage from the start,
+            // whatever the view's offset.
+            let values = matrix.narrow(0, r0, n)?.flatten_all()?.to_vec1::<f32>()?;
+            let part = QTensor::quantize(&Tensor::from_vec(values, (n, cols), &Device::Cpu)?, dtype)?;
+            Ok(part.data()?.into_owned())
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let storage = QStorage::from_data(Cow::Owned(parts.concat()), &Device::Cpu, dtype)?;
+    Ok(QTensor::new(storage, dims)?)
 }
 
 /// llama.cpp's Q4_K_M mix: vectors f32; the LM head Q6_K; attn_v and ffn_down Q6_K in the first
@@ -203,4 +237,27 @@ fn permute_for_interleaved_rope(w: &Tensor, heads: usize) -> Result<Tensor> {
     let rest: usize = dims[1..].iter().product();
     let half = rows / heads / 2;
     Ok(w.reshape((heads, 2, half, rest))?.transpose(1, 2)?.contiguous()?.reshape(dims)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_chunks_quantize_to_the_same_bytes_as_the_whole_matrix() {
+        // 37 rows of 512: chunks of 8 rows (4,096 values) leave a short last chunk.
+        let t = Tensor::randn(0f32, 1f32, (37, 512), &Device::Cpu).unwrap();
+        for dtype in [GgmlDType::Q4K, GgmlDType::Q6K, GgmlDType::Q8_0, GgmlDType::F16, GgmlDType::F32] {
+            let whole = QTensor::quantize(&t, dtype).unwrap();
+            let chunked = quantize_rows(&t, dtype, 4096).unwrap();
+            assert_eq!(chunked.shape().dims(), &[37, 512], "{dtype:?}");
+            assert_eq!(chunked.dtype(), dtype);
+            assert_eq!(chunked.data().unwrap(), whole.data().unwrap(), "{dtype:?}: chunked bytes differ");
+        }
+        // A three-dimensional input keeps its shape.
+        let t3 = t.narrow(0, 0, 36).unwrap().reshape((3, 12, 512)).unwrap();
+        let chunked = quantize_rows(&t3, GgmlDType::Q4K, 4096).unwrap();
+        assert_eq!(chunked.shape().dims(), &[3, 12, 512]);
+        assert_eq!(chunked.data().unwrap(), QTensor::quantize(&t3.contiguous().unwrap(), GgmlDType::Q4K).unwrap().data().unwrap());
+    }
 }
