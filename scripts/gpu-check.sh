@@ -16,7 +16,7 @@
 #   scripts/gpu-check.sh swarm      a CUDA node and two CPU-only nodes (network namespaces when
 #                                   `ip netns` works, loopback otherwise) serve one model; the
 #                                   plan and the output are compared with one node
-#   scripts/gpu-check.sh models [q15] [q7]   only generate (and quantize) the models
+#   scripts/gpu-check.sh models [q15] [q7]   only generate (and quantize) the models, side by side
 #   scripts/gpu-check.sh ab "MODELS" "SETTINGS" [ROUNDS]   for A/B tuning: decode tok/s and roofline
 #                                   of each model (q15-f16 q15-q4km q7-f16 q7-q4km) under each
 #                                   setting in turn, ROUNDS times (2); SETTINGS are ';'-separated,
@@ -234,7 +234,9 @@ case "${1:-}" in
   fidelity) shift; fidelity "$@" ;;
   bench) shift; bench "$@" ;;
   swarm) swarm ;;
-  models) shift; for s in "$@"; do shape "$s" || fail=1; done ;;
+  models) shift  # the shapes side by side: one's generation on the GPU beside another's quantization
+    pids=(); for s in "$@"; do shape "$s" & pids+=($!); done
+    for p in "${pids[@]}"; do wait "$p" || fail=1; done ;;
   ab) shift; ab "$@" ;;
   trace) shift; trace "$@" ;;
   all) fidelity; bench; swarm ;;
