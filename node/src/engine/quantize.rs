@@ -187,7 +187,7 @@ fn quantize_rows(t: &Tensor, dtype: GgmlDType, chunk_values: usize) -> Result<QT
     let cols = dims.last().copied().unwrap_or(0);
     let rows = t.elem_count() / cols.max(1);
     let chunk_rows = (chunk_values / cols.max(1)).max(1);
-    if dims.len() < 2 || rows <= chunk_rows || cols % dtype.block_size() != 0 {
+    if rows <= chunk_rows || cols % dtype.block_size() != 0 {
         return Ok(QTensor::quantize(t, dtype)?);
     }
     let matrix = t.reshape((rows, cols))?;
