@@ -59,14 +59,15 @@ struct MvArgs {
     float eps;
     int mode;
     float* out;
-    float* partial;      // split-K: slices x rows partial sums, or null (then summed atomically)
-    unsigned* arrivals;  // split-K: per block column, slices that have written their partials
+    float* partial;      // split-K: this launch's own slices x rows partial sums as tagged words
+                         // (`store_tagged`), or null (then summed atomically)
     int preload;         // 1: f16/bf16 rows: a warp loads its first rows before the wait (see `mv_rows`)
     int launch;          // this launch's place in the step (for the trace)
     unsigned long long* trace;  // `SHOAL_FUSED_TRACE`: block timeline records, or null
     int tag_in;          // 1: x is tagged (see `load_tagged`): read each value as it arrives, no wait
     int tag_out;         // 1: out gets tagged values (`store_tagged`)
-    const unsigned long long* tag;  // the step's tag, written before its first kernel
+    const unsigned long long* tag;  // the step's tag, written before its first kernel (tagged
+                                    // input or output, or split-K partials)
 };
 
 // Programmatic dependent launch (Hopper on): `allow_next_kernel` lets the next kernel's blocks
@@ -816,7 +817,7 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
     int lane = threadIdx.x & 31;
     allow_next_kernel();
     // Written before the step's first kernel: read now, off the path from input to output.
-    unsigned tag = a.tag_in || a.tag_out ? (unsigned)*a.tag : 0u;
+    unsigned tag = a.tag_in || a.tag_out || a.partial ? (unsigned)*a.tag : 0u;
     if (first < total) {
         if (gated) {
             prefetch_l2(row_at(a.seg[0].w, a.seg[0].fmt, first, a.cols, 0), fmt_bytes(a.seg[0].fmt, a.cols), lane);
@@ -929,9 +930,9 @@ __device__ __forceinline__ void stage_q8(Staged& in, int kn) {
 
 // out (=|+=) W · norm(x) over up to three stacked matrices, one warp per output row. Long rows
 // added into the residual, and those of short stored launches (q/k/v), are split over block rows
-// (split-K): block row y takes input values [k0, k0 + kn) and stores its partial sums; the last
-// block of a column to finish adds them (to the output, or as it) in slice order, so that every
-// run sums in the same order (atomic adds would not, and a seeded sampler would then draw
+// (split-K): block row y takes input values [k0, k0 + kn) and stores its partial sums; the
+// column's last block row adds them (to the output, or as it) in slice order, so that every run
+// sums in the same order (atomic adds would not, and a seeded sampler would then draw
 // differently from run to run).
 // PAIRS (instances of their own for their registers): Q4_K or Q6_K rows two a warp.
 // Q8: int8 activations (`q4k` = 2) for Q4_K and Q6_K rows (with FMT_ANY: matrices of both).
@@ -997,7 +998,7 @@ __device__ void mv_rows(const MvArgs& a) {
     auto put = [&](int r, int k, bool first_rows, float y) {
         if (lane == 0) {
             y += first_rows ? my_first_bias[k] : bias_of(r);
-            if (gridDim.y > 1 && a.partial) a.partial[(size_t)blockIdx.y * total + r] = y;
+            if (gridDim.y > 1 && a.partial) store_tagged(a.partial, blockIdx.y * total + r, y, in.tag);
             else if (a.mode != MODE_ADD) store_out(a, r, y, in.tag);
             // Into the residual (one warp a row, or split-K without scratch) as an atomic add whose
             // result is unused: the warp does not wait for a load of the old value, and with one
@@ -1082,34 +1083,35 @@ __device__ void mv_rows(const MvArgs& a) {
         }
         for (; r < total; r += stride) one(r, false);
     }
-    if (gridDim.y > 1 && a.partial) {
-        __shared__ int last;
-        // The block's partials are released to the column's last block by thread 0's
-        // acquire-release add after the barrier (the pattern of CUTLASS's semaphore), rather
-        // than by every thread fencing its own stores first (`__threadfence`): one H100, three
-        // alternating rounds, decode 1.5B Q4_K_M 1000.8 / 1017.7 / 1013.5 -> 1027.5 / 1018.3 /
-        // 1016.3 tok/s, 1.5B f16 and 7B Q4_K_M within 0.5% (session 37). The last block's
-        // thread 0 acquires the others' partials by the same add; the barrier passes them on.
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            unsigned before;
-            asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(before) : "l"(&a.arrivals[blockIdx.x]) : "memory");
-            last = before == gridDim.y - 1;
-        }
-        __syncthreads();
-        if (last) {
-            // The rows this block column took (`span` a pass, passes gridDim.x spans apart), a
-            // thread per row: one round of loads, not a warp walking its rows one by one.
-            int span = warps << a.pairs;
-            for (int q = threadIdx.x;; q += blockDim.x) {
-                int r = blockIdx.x * span + q / span * gridDim.x * span + q % span;
-                if (r >= total) break;
-                float sum = 0.f;
-                for (int s = 0; s < (int)gridDim.y; s++) sum += __ldcg(&a.partial[(size_t)s * total + r]);
-                if (a.mode == MODE_ADD) atomicAdd(&a.out[r], sum);  // as in `put`: the only add to row r
-                else store_out(a, r, sum, in.tag);
+    if (gridDim.y > 1 && a.partial && blockIdx.y == gridDim.y - 1) {
+        // The column's last slice's block (the last to be scheduled, so the one that waits
+        // least) sums each of its column's rows' partials in slice order, polling eight slices'
+        // words at a time, so that a seeded run repeats exactly. Partials carry the step's tag,
+        // so no counter or fence orders them. One H100 against a last-arriving block behind an
+        // arrival counter (session 38, two alternating rounds): decode 1.5B f16 685.6 / 681.9 ->
+        // 691.1 / 692.5 tok/s, 7B Q4_K_M 423.7 / 422.6 -> 425.1 / 425.3, 7B f16 194.5 / 194.4 ->
+        // 195.1 / 195.0, 1.5B Q4_K_M 1025.0 / 1017.4 -> 1016.9 / 1036.2.
+        const unsigned long long* words = reinterpret_cast<const unsigned long long*>(a.partial);
+        unsigned long long since = 0;
+        // The rows this block column took (`span` a pass, passes gridDim.x spans apart), a
+        // thread per row.
+        int span = warps << a.pairs;
+        for (int q = threadIdx.x;; q += blockDim.x) {
+            int r = blockIdx.x * span + q / span * gridDim.x * span + q % span;
+            if (r >= total) break;
+            float sum = 0.f;
+            for (int s0 = 0; s0 < (int)gridDim.y; s0 += 8) {
+                int at[8];
+                unsigned long long v[8];
+#pragma unroll
+                for (int u = 0; u < 8; u++) at[u] = s0 + u < (int)gridDim.y ? (s0 + u) * total + r : -1;
+                poll_tagged<8>(words, at, in.tag, v, &since);
+#pragma unroll
+                for (int u = 0; u < 8; u++)
+                    if (at[u] >= 0) sum += __uint_as_float((unsigned)v[u]);
             }
-            if (threadIdx.x == 0) a.arrivals[blockIdx.x] = 0;
+            if (a.mode == MODE_ADD) atomicAdd(&a.out[r], sum);  // as in `put`: the only add to row r
+            else store_out(a, r, sum, in.tag);
         }
     }
     trace_block(a.trace, a.launch);

@@ -121,21 +121,27 @@ int main(int argc, char** argv) {
             int most = pairs && q8 && fmt == FMT_Q6_K ? std::max(1, 3 * sms / slices) : cap;
             int blocks = std::min(most, (rows_total + (per_block << pairs) - 1) / (per_block << pairs));
             dim3 grid(blocks, slices);
-            // Split-K partial sums and arrival counters, as cuda_decode.rs plans them.
+            int iters = std::max(copies * 4, 64);
+            // Split-K partial sums as tagged words, as cuda_decode.rs plans them, and a tag for
+            // each launch (1, 2, ...: the engine's steps), so that none reads an earlier one's.
             float* partial = nullptr;
-            unsigned* arrivals = nullptr;
+            unsigned long long* tags = nullptr;
             if (slices > 1) {
-                CK(cudaMalloc(&partial, (size_t)slices * rows_total * 4));
-                CK(cudaMalloc(&arrivals, (size_t)blocks * 4));
-                CK(cudaMemset(arrivals, 0, (size_t)blocks * 4));
+                CK(cudaMalloc(&partial, (size_t)slices * rows_total * 8));
+                CK(cudaMemset(partial, 0, (size_t)slices * rows_total * 8));
             }
+            std::vector<unsigned long long> tag_values(copies + iters + 1);
+            for (size_t i = 0; i < tag_values.size(); i++) tag_values[i] = i + 1;
+            CK(cudaMalloc(&tags, tag_values.size() * 8));
+            CK(cudaMemcpy(tags, tag_values.data(), tag_values.size() * 8, cudaMemcpyHostToDevice));
+            int launches = 0;
             auto launch = [&](int k) {
                 MvArgs a;
                 memset(&a, 0, sizeof a);
                 for (int s = 0; s < c.nseg; s++) { a.seg[s].w = ws[k * c.nseg + s]; a.seg[s].fmt = fmt; a.seg[s].rows = c.rows; }
                 a.nseg = c.nseg; a.cols = c.cols; a.slice = slice; a.q4k = fmt == FMT_Q4_K; a.pairs = pairs;
                 a.x = x; a.norm_w = c.mode == MODE_ADD ? nullptr : nw; a.eps = 1e-6f; a.mode = c.mode; a.out = out;
-                a.partial = partial; a.arrivals = arrivals;
+                a.partial = partial; a.tag = tags + launches++;
                 a.stream = ring ? stream : 0;
                 if (ring) a.q4k = 0;  // the ring kernel stages its input its own way
                 if (q8) a.q4k = 2;
@@ -160,7 +166,6 @@ int main(int argc, char** argv) {
             CK(cudaDeviceSynchronize());
             cudaEvent_t e0, e1;
             cudaEventCreate(&e0); cudaEventCreate(&e1);
-            int iters = std::max(copies * 4, 64);
             cudaEventRecord(e0);
             for (int i = 0; i < iters; i++) launch(i % copies);
             cudaEventRecord(e1);
@@ -176,7 +181,7 @@ int main(int argc, char** argv) {
             double check = 0;
             for (int i = 0; i < rows_total; i++) check += ho[i] * (double)(i % 7 + 1);
             printf("%-5s %-13s %7.1f us  %7.0f GB/s  (%.1f MB, grid %dx%d%s%s%s)  check %.6e\n", fmt_names[fi], c.name, us, per / us / 1e3, per / 1e6, grid.x, grid.y, pairs ? ", pairs" : "", ring ? ", ring" : "", q8 ? ", int8" : "", check);
-            cudaFree(partial); cudaFree(arrivals);
+            cudaFree(partial); cudaFree(tags);
             }
             for (void* p : ws) cudaFree(p);
             cudaFree(x); cudaFree(nw); cudaFree(out);

@@ -79,7 +79,6 @@ struct MvArgs {
     mode: i32,
     out: u64,
     partial: u64,
-    arrivals: u64,
     preload: i32,
     launch: i32,
     trace: u64,
@@ -807,33 +806,20 @@ impl FusedDecode {
             launches.push(p.mv(&[lm_head], x, Some(norm), MODE_STORE, tensor_ptr(&t)?)?);
             logits = Some(t);
         }
-        // Split-K launches store their partial sums (slices x rows) and the last block of each
-        // column adds them up in slice order, so that a seeded run repeats exactly; the arrival
-        // counters reset themselves. A kernel reading tagged input may run beside the launches
-        // before it, so each kind of launch (q/k/v, o, down, head) has its own partial sums and
-        // each launch its own counters (one per block column, at most one per 8 rows).
-        // `SHOAL_FUSED_ATOMIC_SPLIT=1`: add split-K partial sums atomically instead (about 5%
-        // faster decode on an H100, but sums, and so seeded sampling, then vary between runs).
+        // Split-K launches store their partial sums (slices x rows) as tagged words in a buffer
+        // of their own, and the last block row of each column adds them up in slice order as they
+        // come, so that a seeded run repeats exactly. Words of earlier steps carry older tags, so
+        // the buffers need no reset, and a launch reading tagged input may run beside the one
+        // before it. `SHOAL_FUSED_ATOMIC_SPLIT=1`: add split-K partial sums atomically instead
+        // (about 5% faster decode on an H100, but sums, and so seeded sampling, then vary
+        // between runs).
         let kinds = launch_kinds(&launches, layers.len());
         if !atomic_split() {
-            let mut partial_len = vec![0usize; KIND_NAMES.len()];
-            let mut arrivals_len = 0;
-            for (l, &kind) in launches.iter().zip(&kinds) {
+            for l in launches.iter_mut() {
                 if let Launch::Mv { args, rows, .. } = l {
                     if args.slice < args.cols {
-                        partial_len[kind] = partial_len[kind].max((args.cols as usize).div_ceil(args.slice as usize) * *rows as usize);
-                        arrivals_len += (*rows as usize).div_ceil(8);
-                    }
-                }
-            }
-            let partial: Vec<u64> = partial_len.iter().map(|&n| if n > 0 { p.scratch(n) } else { Ok(0) }).collect::<Result<_>>()?;
-            // Zeroed f32 are zeroed u32.
-            let mut arrivals = if arrivals_len > 0 { p.scratch(arrivals_len)? } else { 0 };
-            for (l, &kind) in launches.iter_mut().zip(&kinds) {
-                if let Launch::Mv { args, rows, .. } = l {
-                    if args.slice < args.cols {
-                        (args.partial, args.arrivals) = (partial[kind], arrivals);
-                        arrivals += 4 * (*rows as u64).div_ceil(8);
+                        let words = (args.cols as usize).div_ceil(args.slice as usize) * *rows as usize;
+                        (args.partial, args.tag) = (p.scratch(2 * words)?, tag);
                     }
                 }
             }
