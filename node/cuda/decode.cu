@@ -1086,7 +1086,8 @@ __device__ void mv_rows(const MvArgs& a) {
     if (gridDim.y > 1 && a.partial && blockIdx.y == gridDim.y - 1) {
         // The column's last slice's block (the last to be scheduled, so the one that waits
         // least) sums each of its column's rows' partials in slice order, polling eight slices'
-        // words at a time, so that a seeded run repeats exactly. Partials carry the step's tag,
+        // words at a time, so that a seeded run repeats exactly. The blocks it waits for come
+        // before it in launch order, so they have started whatever number of blocks fits at once. Partials carry the step's tag,
         // so no counter or fence orders them. One H100 against a last-arriving block behind an
         // arrival counter (session 38, two alternating rounds): decode 1.5B f16 685.6 / 681.9 ->
         // 691.1 / 692.5 tok/s, 7B Q4_K_M 423.7 / 422.6 -> 425.1 / 425.3, 7B f16 194.5 / 194.4 ->
