@@ -1087,11 +1087,11 @@ __device__ void mv_rows(const MvArgs& a) {
         // The column's last slice's block (the last to be scheduled, so the one that waits
         // least) sums each of its column's rows' partials in slice order, polling eight slices'
         // words at a time, so that a seeded run repeats exactly. The blocks it waits for come
-        // before it in launch order, so they have started whatever number of blocks fits at once. Partials carry the step's tag,
-        // so no counter or fence orders them. One H100 against a last-arriving block behind an
-        // arrival counter (session 38, two alternating rounds): decode 1.5B f16 685.6 / 681.9 ->
-        // 691.1 / 692.5 tok/s, 7B Q4_K_M 423.7 / 422.6 -> 425.1 / 425.3, 7B f16 194.5 / 194.4 ->
-        // 195.1 / 195.0, 1.5B Q4_K_M 1025.0 / 1017.4 -> 1016.9 / 1036.2.
+        // before it in launch order, so they have started however few blocks fit at once.
+        // Partials carry the step's tag, so no counter or fence orders them. One H100 against a
+        // last-arriving block behind an arrival counter (session 38, two alternating rounds):
+        // decode 1.5B Q4_K_M 1019.1 / 1023.3 -> 1056.9 / 1044.3 tok/s, 7B Q4_K_M 420.1 / 422.8 ->
+        // 427.9 / 424.4, 1.5B f16 684.8 / 686.4 -> 685.8 / 684.6 (the log has the other calls).
         const unsigned long long* words = reinterpret_cast<const unsigned long long*>(a.partial);
         unsigned long long since = 0;
         // The rows this block column took (`span` a pass, passes gridDim.x spans apart), a
