@@ -1086,8 +1086,9 @@ __device__ void mv_rows(const MvArgs& a) {
     if (gridDim.y > 1 && a.partial && blockIdx.y == gridDim.y - 1) {
         // The column's last slice's block (the last to be scheduled, so the one that waits
         // least) sums each of its column's rows' partials in slice order, polling eight slices'
-        // words at a time, so that a seeded run repeats exactly. The blocks it waits for come
-        // before it in launch order, so they have started however few blocks fit at once.
+        // words at a time, so that a seeded run repeats exactly. GPUs dispatch a grid's blocks
+        // in index order (not a documented promise; the 5 s trap stands behind it), so the
+        // blocks it waits for are running or done however few blocks fit at once.
         // Partials carry the step's tag, so no counter or fence orders them. One H100 against a
         // last-arriving block behind an arrival counter (session 38, two alternating rounds):
         // decode 1.5B Q4_K_M 1019.1 / 1023.3 -> 1056.9 / 1044.3 tok/s, 7B Q4_K_M 420.1 / 422.8 ->
