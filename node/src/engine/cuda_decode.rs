@@ -806,6 +806,7 @@ impl FusedDecode {
             launches.push(p.mv(&[lm_head], x, Some(norm), MODE_STORE, tensor_ptr(&t)?)?);
             logits = Some(t);
         }
+        let kinds = launch_kinds(&launches, layers.len());
         // Split-K launches store their partial sums (slices x rows) as tagged words in a buffer
         // of their own, and the last block row of each column adds them up in slice order as they
         // come, so that a seeded run repeats exactly. Words of earlier steps carry older tags, so
@@ -813,7 +814,6 @@ impl FusedDecode {
         // before it. `SHOAL_FUSED_ATOMIC_SPLIT=1`: add split-K partial sums atomically instead
         // (about 5% faster decode on an H100, but sums, and so seeded sampling, then vary
         // between runs).
-        let kinds = launch_kinds(&launches, layers.len());
         if !atomic_split() {
             for l in launches.iter_mut() {
                 if let Launch::Mv { args, rows, .. } = l {
