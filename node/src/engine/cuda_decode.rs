@@ -329,18 +329,7 @@ pub struct FusedDecode {
     /// Per layer: (kv heads, head dim, cache dtype).
     kv: Vec<(usize, usize, DType)>,
     hidden: usize,
-    /// Most `mv` blocks per launch (row blocks loop beyond it; 0: one block per 8 rows).
-    mv_blocks: u32,
-    /// The same for `mv_gated_q4_k_ring`.
-    ring_blocks: u32,
-    /// Whether f16/bf16 launches with more rows than warps take two rows a warp.
-    mv_pairs: bool,
-    /// The same for Q4_K launches (`SHOAL_FUSED_Q4_PAIRS=0`: one row a warp at a time).
-    q4_pairs: bool,
-    /// Q6_K rows with int8 activations two a warp (`mv_q6_k_q8_pairs`): the most blocks of such
-    /// a launch, 3 an SM (both rows' loads in registers bound it), or 0 (`SHOAL_FUSED_Q6_PAIRS=0`:
-    /// one row a warp at a time).
-    q6_pairs_blocks: u32,
+    grids: MvGrids,
     attend_threads: u32,
     /// f16/bf16 warps load their first rows before waiting for the previous kernel (H100s, eight
     /// alternating pairs: 7B f16 decode +0.2-1.9%, 1.5B +2.3-7.4%); `SHOAL_FUSED_PRELOAD=0` pulls
@@ -521,6 +510,93 @@ fn embed_args(table: &EmbeddingTable, scale: Option<f64>, dtype: DType, hidden: 
     Ok(Some(EmbedArgs { table: ptr, fmt, cols: hidden as i32, scale: scale.unwrap_or(1.0) as f32, ..EmbedArgs::default() }))
 }
 
+/// How `mv` launches are shaped on this GPU.
+#[derive(Clone, Copy)]
+struct MvGrids {
+    /// Most `mv` blocks per launch (row blocks loop beyond it; 0: one block per 8 rows).
+    mv_blocks: u32,
+    /// The same for `mv_gated_q4_k_ring` (known once the plan has sized its shared memory).
+    ring_blocks: u32,
+    /// Whether f16/bf16 launches with more rows than warps take two rows a warp.
+    mv_pairs: bool,
+    /// The same for Q4_K launches (`SHOAL_FUSED_Q4_PAIRS=0`: one row a warp at a time).
+    q4_pairs: bool,
+    /// Q6_K rows with int8 activations two a warp (`mv_q6_k_q8_pairs`): the most blocks of such
+    /// a launch, 3 an SM (both rows' loads in registers bound it), or 0 (`SHOAL_FUSED_Q6_PAIRS=0`:
+    /// one row a warp at a time).
+    q6_pairs_blocks: u32,
+}
+
+/// An `mv` launch as it runs: its kernel instance, `pairs` (rows two a warp) and grid.
+struct MvShape {
+    kernel: &'static str,
+    pairs: i32,
+    blocks: u32,
+    slices: u32,
+}
+
+impl MvGrids {
+    /// The shape of a launch of `rows` rows planned for `kernel` with `args`.
+    fn shape(&self, kernel: &'static str, args: &MvArgs, rows: u32) -> MvShape {
+        // A block takes 8 rows (or gate/up pairs) at a time; a split grid's blocks loop over
+        // more rows so that each staged input slice serves several.
+        let slices = (args.cols as u32).div_ceil(args.slice as u32);
+        let warps = MV_THREADS / 32;
+        // Fewer ring-kernel blocks fit on an SM (their rings bound them): a grid of `ring_blocks`.
+        let most = if kernel == "mv_gated_q4_k_ring" { self.ring_blocks } else { self.mv_blocks };
+        let cap = if most == 0 { u32::MAX } else { (most / slices).max(1) };
+        // f16/bf16 rows beyond one per warp go two to a warp (`pairs` in decode.cu), and so do
+        // Q4_K rows (`mv_q4_k_pairs`) of matrices with even numbers of rows.
+        let more_rows_than_warps = rows > cap.saturating_mul(warps);
+        let even = args.seg[..args.nseg as usize].iter().all(|s| s.rows % 2 == 0);
+        let q4_pairs = self.q4_pairs && kernel == "mv_q4_k" && more_rows_than_warps && even;
+        // Q6_K pairs only where each warp has many rows (LM heads): with a few (the 1.5B's down)
+        // the fewer blocks cost more than the pairs save.
+        let many_rows = rows >= cap.saturating_mul(warps).saturating_mul(16);
+        let q6_pairs = self.q6_pairs_blocks > 0 && kernel == "mv_q6_k" && args.q4k == 2 && many_rows && even;
+        let pairs = i32::from(q4_pairs || q6_pairs || (self.mv_pairs && matches!(kernel, "mv_f16" | "mv_bf16") && more_rows_than_warps));
+        let kernel = match (kernel, q4_pairs || q6_pairs, args.q4k == 2) {
+            ("mv_q4_k", true, true) => "mv_q4_k_q8_pairs",
+            ("mv_q4_k", false, true) => "mv_q4_k_q8",
+            ("mv_q4_k", true, false) => "mv_q4_k_pairs",
+            ("mv_q6_k", true, true) => "mv_q6_k_q8_pairs",
+            ("mv_q6_k", false, true) => "mv_q6_k_q8",
+            ("mv_any", _, true) => "mv_any_q8",
+            _ => kernel,
+        };
+        let cap = if q6_pairs { (self.q6_pairs_blocks / slices).max(1) } else { cap };
+        let blocks = rows.div_ceil(warps << pairs).clamp(1, cap);
+        MvShape { kernel, pairs, blocks, slices }
+    }
+
+    /// Input values a block takes of a split launch's rows (`args.cols` of them; `args.slice` is
+    /// set to it). `SHOAL_FUSED_SPLIT_K`: at most that many (whole 256-value blocks; slices as
+    /// equal as they can be). Otherwise the most slices of 1,024 to 3,072 values whose grid gives
+    /// every warp the same number of rows, with no last pass that only some warps take (its
+    /// blocks' end is the launch's tail); failing that, at most 2,048. One H100, two alternating
+    /// rounds in each of two calls (session 38), the 7B's down (18,944 values, 3,584 rows) in 7
+    /// slices (every warp 3 row pairs, or 6 Q6_K rows) rather than 10 (4.3 pairs): 7B Q4_K_M decode
+    /// 425.9 / 425.3 and 428.6 / 425.3 -> 434.2 / 434.6 and 434.7 / 431.6 tok/s, 7B f16 195.2 /
+    /// 195.1 -> 197.4 / 197.4; the 1.5B's (8,960 values, 1,536 rows) stays at 5 slices (one
+    /// pass), as 3 or 4 were slower.
+    fn split_slice(&self, kernel: &'static str, args: &MvArgs, rows: u32) -> i32 {
+        let cols = args.cols as usize;
+        let slice_of = |slices: usize| (cols.div_ceil(256).div_ceil(slices) * 256) as i32;
+        if let Some(most) = std::env::var("SHOAL_FUSED_SPLIT_K").ok().and_then(|v| v.parse::<usize>().ok()) {
+            return slice_of(cols.div_ceil(most.next_multiple_of(256)));
+        }
+        let whole_passes = |slices: usize| {
+            let shape = self.shape(kernel, &MvArgs { slice: slice_of(slices), ..*args }, rows);
+            let passes = rows as f64 / f64::from(shape.blocks * ((MV_THREADS / 32) << shape.pairs));
+            passes.ceil() - passes < 0.05
+        };
+        match (cols.div_ceil(3072)..=cols.div_ceil(1024)).rev().find(|&slices| whole_passes(slices)) {
+            Some(slices) => slice_of(slices),
+            None => slice_of(cols.div_ceil(2048)),
+        }
+    }
+}
+
 /// Builds launches, keeping what they point into alive.
 struct Planner<'a> {
     device: &'a Device,
@@ -528,6 +604,7 @@ struct Planner<'a> {
     max_smem: usize,
     /// The most shared memory a block may have on this GPU.
     smem_limit: usize,
+    grids: MvGrids,
 }
 
 /// Dynamic shared memory of one `mv` block: its input slice as f32; for Q4_K rows also a second
@@ -627,22 +704,7 @@ impl Planner<'_> {
             args.seg[i] = seg;
         }
         let cols = width.unwrap_or(0);
-        args.cols = cols as i32;
-        // Long rows added into the residual are split over blocks (split-K, see `mv_rows`), so a
-        // block stages only its slice of the input and the grid has enough blocks to fill the GPU.
-        // SPLIT_K: input values per block for split rows (a whole number of every format's blocks).
-        // Slices are equal (whole 256-value blocks, at most SPLIT_K values), so that no block row
-        // is left with a short remainder while the others stream.
-        // Stored launches with few rows (q/k/v) split too, when `SPLIT_STORE_ROWS` (rows, 0: never)
-        // is above theirs (7B f16 q/k/v on an H100, when their rows were split: 22.2 -> 21.0 us).
-        let split = (tuned("SPLIT_K", 2048) as usize).next_multiple_of(256);
-        // Rows of at most `SPLIT_ABOVE` values (4096) stay whole: 7B q/k/v and o (3584) whole took
-        // 7B f16 decode from 179.8 / 179.9 to 183.4 / 183.3 tok/s on an H100 (Q4_K_M unchanged).
-        let slices = if cols > tuned("SPLIT_ABOVE", 4096) as usize { cols.div_ceil(split) } else { 1 };
-        let stored_rows: i32 = args.seg[..parts.len()].iter().map(|s| s.rows).sum();
-        // Atomic split-K adds need a zeroed output: there stored launches stay whole.
-        let split_store = mode == MODE_STORE && !atomic_split() && stored_rows < tuned("SPLIT_STORE_ROWS", 8192) as i32;
-        args.slice = if (mode == MODE_ADD || split_store) && slices > 1 { (cols.div_ceil(256).div_ceil(slices) * 256) as i32 } else { cols as i32 };
+        (args.cols, args.slice) = (cols as i32, cols as i32);
         args.q4k = i32::from(args.seg[..parts.len()].iter().any(|s| s.fmt == FMT_Q4_K));
         if let Some(n) = norm {
             args.norm_w = self.vector(&n.weight)?;
@@ -681,6 +743,18 @@ impl Planner<'_> {
         if int8 && stages >= 2 {
             args.q4k = 2;
         }
+        // Long rows added into the residual are split over blocks (split-K, see `mv_rows`), so a
+        // block stages only its slice of the input and the grid has enough blocks to fill the GPU
+        // (`MvGrids::split_slice`: how many). Stored launches with few rows (q/k/v) split too,
+        // when `SPLIT_STORE_ROWS` (rows, 0: never) is above theirs (7B f16 q/k/v on an H100, when
+        // their rows were split: 22.2 -> 21.0 us); atomic split-K adds need a zeroed output, so
+        // there stored launches stay whole. Rows of at most `SPLIT_ABOVE` values (4096) stay
+        // whole: 7B q/k/v and o (3584) whole took 7B f16 decode from 179.8 / 179.9 to 183.4 /
+        // 183.3 tok/s on an H100 (Q4_K_M unchanged).
+        let split_store = mode == MODE_STORE && !atomic_split() && (rows as u32) < tuned("SPLIT_STORE_ROWS", 8192);
+        if (mode == MODE_ADD || split_store) && cols > tuned("SPLIT_ABOVE", 4096) as usize {
+            args.slice = self.grids.split_slice(kernel, &args, rows as u32);
+        }
         self.max_smem = self.max_smem.max(mv_smem(&args));
         Ok(Launch::Mv { args, rows: rows as u32, kernel })
     }
@@ -713,7 +787,16 @@ impl FusedDecode {
         // kernels' static shared memory (block sums' scratch, the trace marks; under 1 KB).
         let optin = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(driver)? as usize;
         let optin = optin.saturating_sub(1024);
-        let mut p = Planner { device, keep: Vec::new(), max_smem: 0, smem_limit: optin };
+        let sms = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(driver)? as u32;
+        let mv_pairs = tuned("PAIRS", 1) != 0;
+        let grids = MvGrids {
+            mv_blocks: sms * tuned("MV_WAVES", 4),
+            ring_blocks: 0,
+            mv_pairs,
+            q4_pairs: mv_pairs && tuned("Q4_PAIRS", 1) != 0,
+            q6_pairs_blocks: if mv_pairs && tuned("Q6_PAIRS", 1) != 0 { sms * 3 } else { 0 },
+        };
+        let mut p = Planner { device, keep: Vec::new(), max_smem: 0, smem_limit: optin, grids };
         let x_t = Tensor::zeros(hidden, DType::F32, device)?;
         let x = tensor_ptr(&x_t)?;
         // The position, each layer's KV buffers (keys, values, capacity), the tag, the token id
@@ -851,11 +934,9 @@ impl FusedDecode {
                 }
             }
         }
-        let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(driver)? as u32;
         let major = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).map_err(driver)?;
         // `SHOAL_KERNEL_OVERLAP=0`: launch each kernel only after the previous one (a diagnostic).
         let overlap = major >= 9 && std::env::var("SHOAL_KERNEL_OVERLAP").map_or(true, |v| v != "0");
-        let mv_blocks = sms * tuned("MV_WAVES", 4);
         // The ring kernel's grid: as many blocks an SM as its shared memory holds at once, at
         // most `MV_WAVES`' 4 (its registers allow no more). One H100 (session 36, alternating): the
         // 1.5B Q4_K_M's gate/up (29 KB a block) at 4 an SM decoded 964.2 / 967.3 tok/s against
@@ -868,8 +949,7 @@ impl FusedDecode {
         });
         // (1 KB more a block for the kernel's static shared memory, under 1 KB.)
         let ring_fit = ring_smem.max().map_or(3, |bytes| (smem_per_sm / (bytes + reserved + 1024)).clamp(1, 4) as u32);
-        let ring_blocks = sms * tuned("RING_WAVES", ring_fit);
-        let mv_pairs = tuned("PAIRS", 1) != 0;
+        let grids = MvGrids { ring_blocks: sms * tuned("RING_WAVES", ring_fit), ..grids };
         let attend_threads = tuned("ATTEND_THREADS", 512).clamp(64, 512) / 32 * 32;
         let use_graph = std::env::var("SHOAL_CUDA_GRAPH").map_or(true, |v| v != "0");
         // `SHOAL_FUSED_DECODE=0` turns the fused step off (a diagnostic).
@@ -900,11 +980,7 @@ impl FusedDecode {
             launches,
             kv,
             hidden,
-            mv_blocks,
-            ring_blocks,
-            mv_pairs,
-            q4_pairs: mv_pairs && tuned("Q4_PAIRS", 1) != 0,
-            q6_pairs_blocks: if mv_pairs && tuned("Q6_PAIRS", 1) != 0 { sms * 3 } else { 0 },
+            grids,
             attend_threads,
             preload: tuned("PRELOAD", 1) != 0,
             kinds,
@@ -1127,35 +1203,8 @@ impl FusedDecode {
             match *l {
                 Launch::Mv { mut args, rows, kernel } => {
                     (args.trace, args.launch, args.preload) = (trace, i as i32, i32::from(self.preload));
-                    // A block takes 8 rows (or gate/up pairs) at a time; a split grid's blocks
-                    // loop over more rows so that each staged input slice serves several.
-                    let slices = (args.cols as u32).div_ceil(args.slice as u32);
-                    let warps = MV_THREADS / 32;
-                    // Fewer ring-kernel blocks fit on an SM (their rings bound them): a grid of
-                    // `ring_blocks`.
-                    let most = if kernel == "mv_gated_q4_k_ring" { self.ring_blocks } else { self.mv_blocks };
-                    let cap = if most == 0 { u32::MAX } else { (most / slices).max(1) };
-                    // f16/bf16 rows beyond one per warp go two to a warp (`pairs` in decode.cu), and
-                    // so do Q4_K rows (`mv_q4_k_pairs`) of matrices with even numbers of rows.
-                    let more_rows_than_warps = rows > cap.saturating_mul(warps);
-                    let even = args.seg[..args.nseg as usize].iter().all(|s| s.rows % 2 == 0);
-                    let q4_pairs = self.q4_pairs && kernel == "mv_q4_k" && more_rows_than_warps && even;
-                    // Q6_K pairs only where each warp has many rows (LM heads): with a few (the
-                    // 1.5B's down) the fewer blocks cost more than the pairs save.
-                    let many_rows = rows >= cap.saturating_mul(warps).saturating_mul(16);
-                    let q6_pairs = self.q6_pairs_blocks > 0 && kernel == "mv_q6_k" && args.q4k == 2 && many_rows && even;
-                    args.pairs = i32::from(q4_pairs || q6_pairs || (self.mv_pairs && matches!(kernel, "mv_f16" | "mv_bf16") && more_rows_than_warps));
-                    let kernel = match (kernel, q4_pairs || q6_pairs, args.q4k == 2) {
-                        ("mv_q4_k", true, true) => "mv_q4_k_q8_pairs",
-                        ("mv_q4_k", false, true) => "mv_q4_k_q8",
-                        ("mv_q4_k", true, false) => "mv_q4_k_pairs",
-                        ("mv_q6_k", true, true) => "mv_q6_k_q8_pairs",
-                        ("mv_q6_k", false, true) => "mv_q6_k_q8",
-                        ("mv_any", _, true) => "mv_any_q8",
-                        _ => kernel,
-                    };
-                    let cap = if q6_pairs { (self.q6_pairs_blocks / slices).max(1) } else { cap };
-                    let blocks = rows.div_ceil(warps << args.pairs).clamp(1, cap);
+                    let MvShape { kernel, pairs, blocks, slices } = self.grids.shape(kernel, &args, rows);
+                    args.pairs = pairs;
                     let cfg = LaunchConfig { grid_dim: (blocks, slices, 1), block_dim: (MV_THREADS, 1, 1), shared_mem_bytes: mv_smem(&args) as u32 };
                     // SAFETY: `args` points at buffers kept alive by `self` (weights held by the
                     // shard, scratch in `_keep`), sized at planning for these rows and columns.
@@ -1197,5 +1246,49 @@ impl FusedDecode {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An H100's grids (132 SMs) with every pairing on, as `FusedDecode::build` sets them.
+    fn h100() -> MvGrids {
+        MvGrids { mv_blocks: 132 * 4, ring_blocks: 132 * 3, mv_pairs: true, q4_pairs: true, q6_pairs_blocks: 132 * 3 }
+    }
+
+    /// A down launch (`rows` x `cols`, one matrix of `fmt`, added into the residual) as planned:
+    /// the kernel and int8 activations `Planner::mv` picks for the format.
+    fn down(fmt: i32, rows: i32, cols: i32) -> (&'static str, MvArgs) {
+        let mut args = MvArgs { nseg: 1, cols, slice: cols, mode: MODE_ADD, ..MvArgs::default() };
+        args.seg[0] = Seg { fmt, rows, ..Seg::default() };
+        let kernel = mv_kernel(false, &[fmt]);
+        args.q4k = if fmt == FMT_Q4_K || fmt == FMT_Q6_K { 2 } else { 0 };
+        (kernel, args)
+    }
+
+    #[test]
+    fn split_slices_give_every_warp_whole_passes_where_some_count_does() {
+        let grids = h100();
+        // Qwen2.5-7B's down (18,944 values, 3,584 rows): 7 slices of 2,816 values in f16, Q4_K and
+        // Q6_K, each a grid whose warps all take 3 row pairs (Q6_K: 6 rows, one a warp), not 10
+        // of 2,048.
+        for fmt in [FMT_F16, FMT_Q4_K, FMT_Q6_K] {
+            let (kernel, args) = down(fmt, 3584, 18944);
+            let slice = grids.split_slice(kernel, &args, 3584);
+            assert_eq!(slice, 2816, "format {fmt}");
+            let shape = grids.shape(kernel, &MvArgs { slice, ..args }, 3584);
+            assert_eq!(shape.slices, 7);
+            let rows_a_pass = shape.blocks * (8 << shape.pairs);
+            let last_pass = 3584 - (3584 - 1) / rows_a_pass * rows_a_pass;
+            assert!(last_pass >= rows_a_pass * 95 / 100, "format {fmt}: {rows_a_pass} rows a pass, {last_pass} in the last");
+        }
+        // Qwen2.5-1.5B's down (8,960 values, 1,536 rows): 5 slices of 1,792 values, one pass of row
+        // pairs (f16, Q4_K); Q6_K rows one a warp have no whole-pass count, and keep 5 too.
+        for fmt in [FMT_F16, FMT_Q4_K, FMT_Q6_K] {
+            let (kernel, args) = down(fmt, 1536, 8960);
+            assert_eq!(grids.split_slice(kernel, &args, 1536), 1792, "format {fmt}");
+        }
     }
 }
