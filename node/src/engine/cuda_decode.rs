@@ -578,7 +578,9 @@ impl MvGrids {
     /// slices (every warp 3 row pairs, or 6 Q6_K rows) rather than 10 (4.3 pairs): 7B Q4_K_M decode
     /// 425.9 / 425.3 and 428.6 / 425.3 -> 434.2 / 434.6 and 434.7 / 431.6 tok/s, 7B f16 195.2 /
     /// 195.1 -> 197.4 / 197.4; the 1.5B's (8,960 values, 1,536 rows) stays at 5 slices (one
-    /// pass), as 3 or 4 were slower.
+    /// pass), as 3 or 4 were slower. This rule against the old one (`SHOAL_FUSED_SPLIT_K=2048`,
+    /// session 39, same build): 7B Q4_K_M 429.5 / 429.6 -> 434.8 / 434.3, 7B f16 195.0 / 195.1 ->
+    /// 197.5 / 197.5, the 1.5B unchanged.
     fn split_slice(&self, kernel: &'static str, args: &MvArgs, rows: u32) -> i32 {
         let cols = args.cols as usize;
         let slice_of = |slices: usize| (cols.div_ceil(256).div_ceil(slices) * 256) as i32;
