@@ -607,6 +607,17 @@ struct Planner<'a> {
     /// The most shared memory a block may have on this GPU.
     smem_limit: usize,
     grids: MvGrids,
+    /// This GPU's SMs, and the shared memory of each (all of it, and what each block reserves).
+    sms: u32,
+    smem_per_sm: usize,
+    smem_reserved: usize,
+}
+
+/// How many blocks of the ring kernel needing `bytes` of dynamic shared memory fit an SM at once
+/// (1 KB more a block for the kernel's static shared memory, under 1 KB), at most `MV_WAVES`' 4
+/// (its registers allow no more).
+fn ring_blocks_per_sm(smem_per_sm: usize, reserved: usize, bytes: usize) -> u32 {
+    (smem_per_sm / (bytes + reserved + 1024)).clamp(1, 4) as u32
 }
 
 /// Dynamic shared memory of one `mv` block: its input slice as f32; for Q4_K rows also a second
@@ -723,9 +734,23 @@ impl Planner<'_> {
         let fmts: Vec<i32> = args.seg[..parts.len()].iter().map(|s| s.fmt).collect();
         let mut kernel = mv_kernel(mode == MODE_SILU || mode == MODE_GELU_TANH, &fmts);
         // Q4_K gate/up rows stream through each warp's ring in shared memory, multiplied with
-        // int8 activations (`mv_gated_q4_k_ring`, `SHOAL_FUSED_RING` stages: 2, or 3; 0 keeps
-        // `mv_gated_q4_k` and f32 activations).
-        let stages = tuned("RING", 2).min(3) as i32;
+        // int8 activations (`mv_gated_q4_k_ring`; `SHOAL_FUSED_RING` stages: 2, or 3; 0 keeps
+        // `mv_gated_q4_k` and f32 activations). By default 3 stages where the grid they allow
+        // (fewer blocks an SM: more shared memory a block) still gives every warp at least 4 row
+        // pairs, else 2. One H100 (session 39, two alternating rounds, `SHOAL_FUSED_RING=3`
+        // against 2): 7B Q4_K_M (gate/up 2 blocks an SM, 9 pairs a warp) 433.0 / 434.7 -> 437.7
+        // / 440.9 tok/s; 1.5B Q4_K_M (4 blocks an SM either way, 2.1 pairs a warp) 1048.3 /
+        // 1062.7 -> 1020.4 / 1007.2; and 2 stages at 2 blocks an SM took the 7B to 406.0 / 403.5.
+        let deep_pays = || {
+            let bytes = mv_smem(&MvArgs { stream: 3, q4k: 0, ..args });
+            let warps = self.sms * ring_blocks_per_sm(self.smem_per_sm, self.smem_reserved, bytes) * (MV_THREADS / 32);
+            rows as u32 >= 4 * warps
+        };
+        let stages = match std::env::var("SHOAL_FUSED_RING").ok().and_then(|v| v.parse::<u32>().ok()) {
+            Some(n) => n.min(3) as i32,
+            None if kernel == "mv_gated_q4_k" && deep_pays() => 3,
+            None => 2,
+        };
         let ring = MvArgs { stream: stages, q4k: 0, ..args };
         if kernel == "mv_gated_q4_k" && stages >= 2 && mv_smem(&ring) <= self.smem_limit {
             (args, kernel) = (ring, "mv_gated_q4_k_ring");
@@ -798,7 +823,9 @@ impl FusedDecode {
             q4_pairs: mv_pairs && tuned("Q4_PAIRS", 1) != 0,
             q6_pairs_blocks: if mv_pairs && tuned("Q6_PAIRS", 1) != 0 { sms * 3 } else { 0 },
         };
-        let mut p = Planner { device, keep: Vec::new(), max_smem: 0, smem_limit: optin, grids };
+        let smem_per_sm = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR).map_err(driver)? as usize;
+        let smem_reserved = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK).map_err(driver)? as usize;
+        let mut p = Planner { device, keep: Vec::new(), max_smem: 0, smem_limit: optin, grids, sms, smem_per_sm, smem_reserved };
         let x_t = Tensor::zeros(hidden, DType::F32, device)?;
         let x = tensor_ptr(&x_t)?;
         // The position, each layer's KV buffers (keys, values, capacity), the tag, the token id
@@ -939,18 +966,15 @@ impl FusedDecode {
         let major = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).map_err(driver)?;
         // `SHOAL_KERNEL_OVERLAP=0`: launch each kernel only after the previous one (a diagnostic).
         let overlap = major >= 9 && std::env::var("SHOAL_KERNEL_OVERLAP").map_or(true, |v| v != "0");
-        // The ring kernel's grid: as many blocks an SM as its shared memory holds at once, at
-        // most `MV_WAVES`' 4 (its registers allow no more). One H100 (session 36, alternating): the
-        // 1.5B Q4_K_M's gate/up (29 KB a block) at 4 an SM decoded 964.2 / 967.3 tok/s against
-        // 947.9 / 952.5 at 3; the 7B's (68 KB) fit 3 (4 was slower: a second wave).
-        let smem_per_sm = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR).map_err(driver)? as usize;
-        let reserved = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK).map_err(driver)? as usize;
+        // The ring kernel's grid: as many blocks an SM as its shared memory holds at once
+        // (`ring_blocks_per_sm`). One H100 (session 36, alternating): the 1.5B Q4_K_M's gate/up
+        // (29 KB a block) at 4 an SM decoded 964.2 / 967.3 tok/s against 947.9 / 952.5 at 3; the
+        // 7B's (68 KB at 2 stages) fit 3 (4 was slower: a second wave), at 3 stages 2.
         let ring_smem = launches.iter().filter_map(|l| match l {
             Launch::Mv { args, kernel: "mv_gated_q4_k_ring", .. } => Some(mv_smem(args)),
             _ => None,
         });
-        // (1 KB more a block for the kernel's static shared memory, under 1 KB.)
-        let ring_fit = ring_smem.max().map_or(3, |bytes| (smem_per_sm / (bytes + reserved + 1024)).clamp(1, 4) as u32);
+        let ring_fit = ring_smem.max().map_or(3, |bytes| ring_blocks_per_sm(p.smem_per_sm, p.smem_reserved, bytes));
         let grids = MvGrids { ring_blocks: sms * tuned("RING_WAVES", ring_fit), ..grids };
         let attend_threads = tuned("ATTEND_THREADS", 512).clamp(64, 512) / 32 * 32;
         let use_graph = std::env::var("SHOAL_CUDA_GRAPH").map_or(true, |v| v != "0");
