@@ -613,6 +613,15 @@ struct Planner<'a> {
     smem_reserved: usize,
 }
 
+/// The ring's stages for a gate/up launch of `rows` row pairs (`args` as planned, before the
+/// ring): 3 where the grid that 3 stages' shared memory allows still gives every warp at least 4
+/// pairs, else 2.
+fn ring_stages(args: &MvArgs, rows: u32, sms: u32, smem_per_sm: usize, reserved: usize) -> i32 {
+    let bytes = mv_smem(&MvArgs { stream: 3, q4k: 0, ..*args });
+    let warps = sms * ring_blocks_per_sm(smem_per_sm, reserved, bytes) * (MV_THREADS / 32);
+    if rows >= 4 * warps { 3 } else { 2 }
+}
+
 /// How many blocks of the ring kernel needing `bytes` of dynamic shared memory fit an SM at once
 /// (1 KB more a block for the kernel's static shared memory, under 1 KB), at most `MV_WAVES`' 4
 /// (its registers allow no more).
@@ -741,14 +750,9 @@ impl Planner<'_> {
         // against 2): 7B Q4_K_M (gate/up 2 blocks an SM, 9 pairs a warp) 433.0 / 434.7 -> 437.7
         // / 440.9 tok/s; 1.5B Q4_K_M (4 blocks an SM either way, 2.1 pairs a warp) 1048.3 /
         // 1062.7 -> 1020.4 / 1007.2; and 2 stages at 2 blocks an SM took the 7B to 406.0 / 403.5.
-        let deep_pays = || {
-            let bytes = mv_smem(&MvArgs { stream: 3, q4k: 0, ..args });
-            let warps = self.sms * ring_blocks_per_sm(self.smem_per_sm, self.smem_reserved, bytes) * (MV_THREADS / 32);
-            rows as u32 >= 4 * warps
-        };
         let stages = match std::env::var("SHOAL_FUSED_RING").ok().and_then(|v| v.parse::<u32>().ok()) {
             Some(n) => n.min(3) as i32,
-            None if kernel == "mv_gated_q4_k" && deep_pays() => 3,
+            None if kernel == "mv_gated_q4_k" => ring_stages(&args, rows as u32, self.sms, self.smem_per_sm, self.smem_reserved),
             None => 2,
         };
         let ring = MvArgs { stream: stages, q4k: 0, ..args };
@@ -1292,6 +1296,21 @@ mod tests {
         let kernel = mv_kernel(false, &[fmt]);
         args.q4k = if fmt == FMT_Q4_K || fmt == FMT_Q6_K { 2 } else { 0 };
         (kernel, args)
+    }
+
+    #[test]
+    fn the_ring_deepens_only_where_every_warp_still_streams_four_row_pairs() {
+        // An H100: 132 SMs, 228 KB of shared memory each, 1 KB reserved a block.
+        let stages = |rows: i32, cols: i32| {
+            let mut args = MvArgs { nseg: 2, cols, slice: cols, mode: MODE_SILU, ..MvArgs::default() };
+            args.seg[0] = Seg { fmt: FMT_Q4_K, rows, ..Seg::default() };
+            args.seg[1] = args.seg[0];
+            ring_stages(&args, rows as u32, 132, 228 * 1024, 1024)
+        };
+        // Qwen2.5-7B's gate/up: 3 stages fit 2 blocks an SM, 2,112 warps, 9 pairs each.
+        assert_eq!(stages(18_944, 3_584), 3);
+        // Qwen2.5-1.5B's: 4 blocks an SM either way, 4,224 warps, 2.1 pairs each.
+        assert_eq!(stages(8_960, 1_536), 2);
     }
 
     #[test]
