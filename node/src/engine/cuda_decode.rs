@@ -614,12 +614,12 @@ struct Planner<'a> {
 }
 
 /// The ring's stages for a gate/up launch of `rows` row pairs (`args` as planned, before the
-/// ring): 3 where the grid that 3 stages' shared memory allows still gives every warp at least 4
-/// pairs, else 2.
-fn ring_stages(args: &MvArgs, rows: u32, sms: u32, smem_per_sm: usize, reserved: usize) -> i32 {
+/// ring): 3 where a block of 3 stages fits (`block_limit` bytes of shared memory) and the grid
+/// their shared memory allows still gives every warp at least 4 pairs, else 2.
+fn ring_stages(args: &MvArgs, rows: u32, sms: u32, smem_per_sm: usize, reserved: usize, block_limit: usize) -> i32 {
     let bytes = mv_smem(&MvArgs { stream: 3, q4k: 0, ..*args });
     let warps = sms * ring_blocks_per_sm(smem_per_sm, reserved, bytes) * (MV_THREADS / 32);
-    if rows >= 4 * warps { 3 } else { 2 }
+    if bytes <= block_limit && rows >= 4 * warps { 3 } else { 2 }
 }
 
 /// How many blocks of the ring kernel needing `bytes` of dynamic shared memory fit an SM at once
@@ -752,7 +752,7 @@ impl Planner<'_> {
         // 1062.7 -> 1020.4 / 1007.2; and 2 stages at 2 blocks an SM took the 7B to 406.0 / 403.5.
         let stages = match std::env::var("SHOAL_FUSED_RING").ok().and_then(|v| v.parse::<u32>().ok()) {
             Some(n) => n.min(3) as i32,
-            None if kernel == "mv_gated_q4_k" => ring_stages(&args, rows as u32, self.sms, self.smem_per_sm, self.smem_reserved),
+            None if kernel == "mv_gated_q4_k" => ring_stages(&args, rows as u32, self.sms, self.smem_per_sm, self.smem_reserved, self.smem_limit),
             None => 2,
         };
         let ring = MvArgs { stream: stages, q4k: 0, ..args };
@@ -1305,12 +1305,14 @@ mod tests {
             let mut args = MvArgs { nseg: 2, cols, slice: cols, mode: MODE_SILU, ..MvArgs::default() };
             args.seg[0] = Seg { fmt: FMT_Q4_K, rows, ..Seg::default() };
             args.seg[1] = args.seg[0];
-            ring_stages(&args, rows as u32, 132, 228 * 1024, 1024)
+            ring_stages(&args, rows as u32, 132, 228 * 1024, 1024, 227 * 1024 - 1024)
         };
         // Qwen2.5-7B's gate/up: 3 stages fit 2 blocks an SM, 2,112 warps, 9 pairs each.
         assert_eq!(stages(18_944, 3_584), 3);
         // Qwen2.5-1.5B's: 4 blocks an SM either way, 4,224 warps, 2.1 pairs each.
         assert_eq!(stages(8_960, 1_536), 2);
+        // A 70B-class gate/up (28,672 x 8,192): 3 stages (232 KB a block) do not fit a block; 2 do.
+        assert_eq!(stages(28_672, 8_192), 2);
     }
 
     #[test]
