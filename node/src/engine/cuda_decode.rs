@@ -614,12 +614,14 @@ struct Planner<'a> {
 }
 
 /// The ring's stages for a gate/up launch of `rows` row pairs (`args` as planned, before the
-/// ring): 3 where a block of 3 stages fits (`block_limit` bytes of shared memory) and the grid
-/// their shared memory allows still gives every warp at least 4 pairs, else 2.
+/// ring): 3 where a block of 3 stages fits (`block_limit` bytes of shared memory), at least 2 of
+/// them fit an SM (the fewest measured: one block's 8 warps an SM was never tried), and that grid
+/// still gives every warp at least 4 pairs; else 2.
 fn ring_stages(args: &MvArgs, rows: u32, sms: u32, smem_per_sm: usize, reserved: usize, block_limit: usize) -> i32 {
     let bytes = mv_smem(&MvArgs { stream: 3, q4k: 0, ..*args });
-    let warps = sms * ring_blocks_per_sm(smem_per_sm, reserved, bytes) * (MV_THREADS / 32);
-    if bytes <= block_limit && rows >= 4 * warps { 3 } else { 2 }
+    let per_sm = ring_blocks_per_sm(smem_per_sm, reserved, bytes);
+    let warps = sms * per_sm * (MV_THREADS / 32);
+    if bytes <= block_limit && per_sm >= 2 && rows >= 4 * warps { 3 } else { 2 }
 }
 
 /// How many blocks of the ring kernel needing `bytes` of dynamic shared memory fit an SM at once
@@ -1300,19 +1302,24 @@ mod tests {
 
     #[test]
     fn the_ring_deepens_only_where_every_warp_still_streams_four_row_pairs() {
-        // An H100: 132 SMs, 228 KB of shared memory each, 1 KB reserved a block.
-        let stages = |rows: i32, cols: i32| {
+        // A gate/up launch of `rows` x `cols` Q4_K rows on a GPU of (SMs, shared memory an SM,
+        // the most a block may have); 1 KB reserved a block.
+        let stages = |rows: i32, cols: i32, (sms, per_sm, per_block): (u32, usize, usize)| {
             let mut args = MvArgs { nseg: 2, cols, slice: cols, mode: MODE_SILU, ..MvArgs::default() };
             args.seg[0] = Seg { fmt: FMT_Q4_K, rows, ..Seg::default() };
             args.seg[1] = args.seg[0];
-            ring_stages(&args, rows as u32, 132, 228 * 1024, 1024, 227 * 1024 - 1024)
+            ring_stages(&args, rows as u32, sms, per_sm, 1024, per_block - 1024)
         };
+        let h100 = (132, 228 * 1024, 227 * 1024);
+        let a100 = (108, 164 * 1024, 163 * 1024);
         // Qwen2.5-7B's gate/up: 3 stages fit 2 blocks an SM, 2,112 warps, 9 pairs each.
-        assert_eq!(stages(18_944, 3_584), 3);
+        assert_eq!(stages(18_944, 3_584, h100), 3);
         // Qwen2.5-1.5B's: 4 blocks an SM either way, 4,224 warps, 2.1 pairs each.
-        assert_eq!(stages(8_960, 1_536), 2);
+        assert_eq!(stages(8_960, 1_536, h100), 2);
         // A 70B-class gate/up (28,672 x 8,192): 3 stages (232 KB a block) do not fit a block; 2 do.
-        assert_eq!(stages(28_672, 8_192), 2);
+        assert_eq!(stages(28_672, 8_192, h100), 2);
+        // On an A100 the 7B's 3-stage blocks (101 KB) fit one an SM: it keeps 2 stages, 2 an SM.
+        assert_eq!(stages(18_944, 3_584, a100), 2);
     }
 
     #[test]
