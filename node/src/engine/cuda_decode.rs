@@ -32,7 +32,12 @@ const MODULE: &str = "shoal_decode";
 const MV_THREADS: u32 = 256;
 /// Launch shapes, with their defaults; `SHOAL_FUSED_<NAME>` overrides one (a tuning aid).
 fn tuned(name: &str, default: u32) -> u32 {
-    std::env::var(format!("SHOAL_FUSED_{name}")).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    overridden(name).unwrap_or(default)
+}
+
+/// `SHOAL_FUSED_<NAME>` where it is set to a number (for shapes whose default is computed).
+fn overridden(name: &str) -> Option<u32> {
+    std::env::var(format!("SHOAL_FUSED_{name}")).ok().and_then(|v| v.parse().ok())
 }
 
 /// `SHOAL_FUSED_ATOMIC_SPLIT=1`: split-K partial sums are added atomically, in arrival order.
@@ -584,8 +589,8 @@ impl MvGrids {
     fn split_slice(&self, kernel: &'static str, args: &MvArgs, rows: u32) -> i32 {
         let cols = args.cols as usize;
         let slice_of = |slices: usize| (cols.div_ceil(256).div_ceil(slices) * 256) as i32;
-        if let Some(most) = std::env::var("SHOAL_FUSED_SPLIT_K").ok().and_then(|v| v.parse::<usize>().ok()) {
-            return slice_of(cols.div_ceil(most.next_multiple_of(256)));
+        if let Some(most) = overridden("SPLIT_K") {
+            return slice_of(cols.div_ceil((most as usize).next_multiple_of(256)));
         }
         let whole_passes = |slices: usize| {
             let shape = self.shape(kernel, &MvArgs { slice: slice_of(slices), ..*args }, rows);
@@ -752,7 +757,7 @@ impl Planner<'_> {
         // against 2): 7B Q4_K_M (gate/up 2 blocks an SM, 9 pairs a warp) 433.0 / 434.7 -> 437.7
         // / 440.9 tok/s; 1.5B Q4_K_M (4 blocks an SM either way, 2.1 pairs a warp) 1048.3 /
         // 1062.7 -> 1020.4 / 1007.2; and 2 stages at 2 blocks an SM took the 7B to 406.0 / 403.5.
-        let stages = match std::env::var("SHOAL_FUSED_RING").ok().and_then(|v| v.parse::<u32>().ok()) {
+        let stages = match overridden("RING") {
             Some(n) => n.min(3) as i32,
             None if kernel == "mv_gated_q4_k" => ring_stages(&args, rows as u32, self.sms, self.smem_per_sm, self.smem_reserved, self.smem_limit),
             None => 2,
