@@ -64,7 +64,8 @@ struct MvArgs {
     int preload;         // 1: f16/bf16 rows: a warp loads its first rows before the wait (see `mv_rows`)
     int launch;          // this launch's place in the step (for the trace)
     unsigned long long* trace;  // `SHOAL_FUSED_TRACE`: block timeline records, or null
-    int tag_in;          // 1: x is tagged (see `load_tagged`): read each value as it arrives, no wait
+    int tag_in;          // 1: x is tagged (see `load_tagged`): read each value as it arrives, no wait;
+                         // 2: x is tagged int8 (`store_q8_tagged`), for an int8 instance's whole rows
     int tag_out;         // 1: out gets tagged values (`store_tagged`)
     const unsigned long long* tag;  // the step's tag, written before its first kernel (tagged
                                     // input or output, or split-K partials)
@@ -806,6 +807,28 @@ __device__ void quantize_q8(const float* xf, int n, int8_t* x8, float* dx, float
     }
 }
 
+// One warp: the 32 values v (a lane each) from value `at` of a vector of n (at a multiple of 32)
+// as `quantize_q8` makes them, stored as tagged words for an int8 consumer that reads them
+// whole (`tag_in` = 2): its int8 values four a word (words [0, n/4)), then the scales (n/32
+// words), then the sums of 16 (n/16 words), as `stage_q8` lays them out in shared memory. The
+// same arithmetic as `quantize_q8`: the consumer's products are those of quantizing there.
+__device__ void store_q8_tagged(float* out, int n, int at, float v, unsigned tag) {
+    int lane = threadIdx.x & 31;
+    float amax = fabsf(v);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+    int q = __float2int_rn(v * inv);
+    uint32_t b = (uint32_t)q & 0xFFu;
+    uint32_t word = b | __shfl_down_sync(0xffffffffu, b, 1) << 8 | __shfl_down_sync(0xffffffffu, b, 2) << 16 | __shfl_down_sync(0xffffffffu, b, 3) << 24;
+    int sum = q;
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if ((lane & 3) == 0) store_tagged(out, (at + lane) / 4, __uint_as_float(word), tag);
+    if (lane == 0) store_tagged(out, n / 4 + at / 32, d, tag);
+    if ((lane & 15) == 0) store_tagged(out, n / 4 + n / 32 + (at + lane) / 16, d * (float)sum, tag);
+}
+
 // Stages one `mv` block's input (values [k0, k0 + kn), RMSNormed first when `norm_w` is set)
 // in shared memory, and for the f32 Q4_K instances (`q4k` = 1) also in `q4k_order` with the sums
 // of each 16 values.
@@ -841,7 +864,10 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
     }
     if (!a.tag_in) wait_for_previous_kernel();
     trace_mark(a.trace, &trace_waited);
-    if (a.tag_in) {
+    if (a.tag_in == 2) {
+        // Already int8 (`store_q8_tagged`; the launch is not split): into `stage_q8`'s places.
+        load_tagged(a.x, kn / 4 + kn / 32 + kn / 16, tag, xs + kn);
+    } else if (a.tag_in) {
         load_tagged(a.x + 2 * k0, kn, tag, xs);
     } else if (normed) {
         // One round of loads: x over the whole row (the norm takes all of it, also for a
@@ -918,14 +944,19 @@ __device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols
 
 // The staged input of an int8 instance (`q4k` = 2): `in.xs` quantized into the space of the
 // reordered copy that f32 Q4_K instances use (kn + kn / 8 of its 4 kn bytes).
-__device__ __forceinline__ void stage_q8(Staged& in, int kn) {
-    float* xp = const_cast<float*>(in.xp);
-    int8_t* x8 = reinterpret_cast<int8_t*>(xp);
+// The int8 values come first (kn bytes), then their scales (kn / 32 f32), then the sums of 16
+// (kn / 16 f32). With `tag_in` = 2 the producer quantized them and `stage_input` put them there.
+__device__ __forceinline__ void stage_q8(const MvArgs& a, Staged& in, int kn) {
+    int8_t* x8 = reinterpret_cast<int8_t*>(const_cast<float*>(in.xp));
     float* dx = reinterpret_cast<float*>(x8 + kn);
-    quantize_q8(in.xs, kn, x8, dx, const_cast<float*>(in.xsum));
-    __syncthreads();
+    float* xsum = dx + kn / 32;
+    if (a.tag_in != 2) {
+        quantize_q8(in.xs, kn, x8, dx, xsum);
+        __syncthreads();
+    }
     in.x8 = x8;
     in.dx = dx;
+    in.xsum = xsum;
 }
 
 // out (=|+=) W · norm(x) over up to three stacked matrices, one warp per output row. Long rows
@@ -993,7 +1024,7 @@ __device__ void mv_rows(const MvArgs& a) {
     float* my_first_bias = first_bias[threadIdx.x >> 5];
     if (lane == 0) my_first_bias[0] = bias_of(first << a.pairs), my_first_bias[1] = a.pairs ? bias_of((first << a.pairs) + 1) : 0.f;
     Staged in = stage_input(a, k0, kn, false, preloaded ? total : first << a.pairs, total, reinterpret_cast<float*>(xs4));
-    if (Q8) stage_q8(in, kn);
+    if (Q8) stage_q8(a, in, kn);
     // Row r's product y, the k-th of the warp's rows at a time (`first_rows`: its first ones).
     auto put = [&](int r, int k, bool first_rows, float y) {
         if (lane == 0) {
@@ -1456,6 +1487,7 @@ struct AttnArgs {
     unsigned long long* trace;
     int tagged;            // 1: qkv is tagged (read as it arrives, no wait) and so is out
     const unsigned long long* tag;  // as in MvArgs
+    int out_q8;            // 1 (tagged only): out as int8 for o's int8 instance (`store_q8_tagged`)
 };
 
 __device__ __forceinline__ void cache_store(void* c, int fmt, size_t i, float v) {
@@ -1692,15 +1724,21 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
         if (lane == 0) wden = den;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+    auto value = [&](int i) {
         // Four independent sums (the warps' loads in flight together, not one chain of 16).
         float nums[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int w = 0; w < ATTN_MAX_WARPS; w++)
             if (w < warps) nums[w & 3] = fmaf(part[w][i], wweight[w], nums[w & 3]);
-        float num = (nums[0] + nums[1]) + (nums[2] + nums[3]);
-        if (a.tagged) store_tagged(a.out, h * d + i, num / wden, tag);
-        else a.out[h * d + i] = num / wden;
+        return ((nums[0] + nums[1]) + (nums[2] + nums[3])) / wden;
+    };
+    if (a.out_q8) {
+        for (int g = warp; g < d / 32; g += warps) store_q8_tagged(a.out, a.heads * d, h * d + 32 * g, value(32 * g + lane), tag);
+    } else {
+        for (int i = threadIdx.x; i < d; i += blockDim.x) {
+            if (a.tagged) store_tagged(a.out, h * d + i, value(i), tag);
+            else a.out[h * d + i] = value(i);
+        }
     }
     trace_block(a.trace, a.launch);
 }

@@ -116,6 +116,7 @@ struct AttnArgs {
     trace: u64,
     tagged: i32,
     tag: u64,
+    out_q8: i32,
 }
 
 /// `EmbedArgs` in decode.cu.
@@ -886,7 +887,7 @@ impl FusedDecode {
             p.keep.push(inv_freq);
             let q_norm = a.q_norm.as_ref().map(|n| p.vector(&n.weight)).transpose()?.unwrap_or(0);
             let k_norm = a.k_norm.as_ref().map(|n| p.vector(&n.weight)).transpose()?.unwrap_or(0);
-            let args = AttnArgs {
+            let mut args = AttnArgs {
                 qkv,
                 kv: step_ptr + 8 * (1 + 3 * kv.len() as u64),
                 inv_freq: inv_freq_ptr,
@@ -907,10 +908,18 @@ impl FusedDecode {
                 tag,
                 ..AttnArgs::default()
             };
-            launches.push(Launch::Attend { args });
             kv.push((a.num_kv_heads, d, dtype));
             let mut o = p.residual(&a.o, attn_out, layer.post_attn_norm.as_ref(), x, h, hidden)?;
             o[0] = tagged(o[0], true, false);
+            // Where o multiplies int8 activations over whole rows, attention quantizes its heads'
+            // values once (`store_q8_tagged`) instead of each of o's blocks quantizing all of them
+            // (`SHOAL_FUSED_ATTN_Q8=0`: o quantizes).
+            if let Launch::Mv { args: o_args, .. } = &mut o[0] {
+                if tags && o_args.q4k == 2 && o_args.slice == o_args.cols && d % 32 == 0 && tuned("ATTN_Q8", 1) != 0 {
+                    (o_args.tag_in, args.out_q8) = (2, 1);
+                }
+            }
+            launches.push(Launch::Attend { args });
             launches.extend(o);
             let m = &layer.mlp;
             let act = p.scratch(2 * shape(&m.gate)?.0)?;
