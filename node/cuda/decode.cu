@@ -967,7 +967,7 @@ __device__ __forceinline__ void stage_q8(const MvArgs& a, Staged& in, int kn) {
 // differently from run to run).
 // PAIRS (instances of their own for their registers): Q4_K or Q6_K rows two a warp.
 // Q8: int8 activations (`q4k` = 2) for Q4_K and Q6_K rows (with FMT_ANY: matrices of both).
-#define MV_MAX_WARPS 8  // the `mv` launches' 256 threads
+#define MV_MAX_WARPS 16  // the `mv` launches' 256 or 512 threads
 template <int F, bool PAIRS = false, bool Q8 = false>
 __device__ void mv_rows(const MvArgs& a) {
     static_assert(!PAIRS || F == FMT_Q4_K || F == FMT_Q6_K && Q8, "pairs: Q4_K rows, or Q6_K rows with int8 activations");
@@ -1365,8 +1365,8 @@ __device__ void mv_gated_rows(const MvArgs& a) {
 // One instance of each kernel per weight format, each with registers for its own loop only,
 // and one for launches whose matrices differ in format: mv_<fmt>, mv_gated_<fmt>.
 #define MV_KERNELS(NAME, F)                                                                            \
-    extern "C" __global__ void __launch_bounds__(256, 4) mv_##NAME(MvArgs a) { mv_rows<F>(a); }             \
-    extern "C" __global__ void __launch_bounds__(256, 4) mv_gated_##NAME(MvArgs a) { mv_gated_rows<F>(a); }
+    extern "C" __global__ void __launch_bounds__(512, 2) mv_##NAME(MvArgs a) { mv_rows<F>(a); }             \
+    extern "C" __global__ void __launch_bounds__(512, 2) mv_gated_##NAME(MvArgs a) { mv_gated_rows<F>(a); }
 MV_KERNELS(any, FMT_ANY)
 MV_KERNELS(f32, FMT_F32)
 MV_KERNELS(f16, FMT_F16)
@@ -1374,15 +1374,15 @@ MV_KERNELS(bf16, FMT_BF16)
 MV_KERNELS(q8_0, FMT_Q8_0)
 MV_KERNELS(q4_k, FMT_Q4_K)
 MV_KERNELS(q6_k, FMT_Q6_K)
-extern "C" __global__ void __launch_bounds__(256, 4) mv_q4_k_pairs(MvArgs a) { mv_rows<FMT_Q4_K, true>(a); }
+extern "C" __global__ void __launch_bounds__(512, 2) mv_q4_k_pairs(MvArgs a) { mv_rows<FMT_Q4_K, true>(a); }
 // Q4_K rows with int8 activations (`q4k` = 2), one and two rows a warp; Q6_K rows the same way.
-extern "C" __global__ void __launch_bounds__(256, 4) mv_q4_k_q8(MvArgs a) { mv_rows<FMT_Q4_K, false, true>(a); }
-extern "C" __global__ void __launch_bounds__(256, 4) mv_q4_k_q8_pairs(MvArgs a) { mv_rows<FMT_Q4_K, true, true>(a); }
-extern "C" __global__ void __launch_bounds__(256, 4) mv_q6_k_q8(MvArgs a) { mv_rows<FMT_Q6_K, false, true>(a); }
+extern "C" __global__ void __launch_bounds__(512, 2) mv_q4_k_q8(MvArgs a) { mv_rows<FMT_Q4_K, false, true>(a); }
+extern "C" __global__ void __launch_bounds__(512, 2) mv_q4_k_q8_pairs(MvArgs a) { mv_rows<FMT_Q4_K, true, true>(a); }
+extern "C" __global__ void __launch_bounds__(512, 2) mv_q6_k_q8(MvArgs a) { mv_rows<FMT_Q6_K, false, true>(a); }
 // Q6_K pairs hold both rows' loads in registers: 3 blocks an SM (at 4 they spill).
 extern "C" __global__ void __launch_bounds__(256, 3) mv_q6_k_q8_pairs(MvArgs a) { mv_rows<FMT_Q6_K, true, true>(a); }
 // Q4_K and Q6_K matrices in one launch (q/k/v with a Q6_K v), int8 activations.
-extern "C" __global__ void __launch_bounds__(256, 4) mv_any_q8(MvArgs a) { mv_rows<FMT_ANY, false, true>(a); }
+extern "C" __global__ void __launch_bounds__(512, 2) mv_any_q8(MvArgs a) { mv_rows<FMT_ANY, false, true>(a); }
 
 // Gated Q4_K rows through each warp's ring (`q4k_gated_ring`), `stream` stages (2 or 3):
 // shared memory, not registers, bounds its blocks per SM.

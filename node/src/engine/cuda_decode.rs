@@ -519,8 +519,12 @@ fn embed_args(table: &EmbeddingTable, scale: Option<f64>, dtype: DType, hidden: 
 /// How `mv` launches are shaped on this GPU.
 #[derive(Clone, Copy)]
 struct MvGrids {
-    /// Most `mv` blocks per launch (row blocks loop beyond it; 0: one block per 8 rows).
+    /// Most `mv` blocks of `MV_THREADS` per launch (row blocks loop beyond it; 0: one block per
+    /// 8 rows); half as many of 16 warps.
     mv_blocks: u32,
+    /// Warps of an unsplit `mv` block (16, or 8 with `SHOAL_FUSED_MV_THREADS=256`); split
+    /// launches, the ring and the Q6_K pairs kernels take `MV_THREADS` (256) always.
+    mv_warps: u32,
     /// The same for `mv_gated_q4_k_ring` (known once the plan has sized its shared memory).
     ring_blocks: u32,
     /// Whether f16/bf16 launches with more rows than warps take two rows a warp.
@@ -539,6 +543,7 @@ struct MvShape {
     pairs: i32,
     blocks: u32,
     slices: u32,
+    threads: u32,
 }
 
 impl MvGrids {
@@ -547,9 +552,10 @@ impl MvGrids {
         // A block takes 8 rows (or gate/up pairs) at a time; a split grid's blocks loop over
         // more rows so that each staged input slice serves several.
         let slices = (args.cols as u32).div_ceil(args.slice as u32);
-        let warps = MV_THREADS / 32;
+        let ring = kernel == "mv_gated_q4_k_ring";
+        let warps = if ring || slices > 1 { MV_THREADS / 32 } else { self.mv_warps };
         // Fewer ring-kernel blocks fit on an SM (their rings bound them): a grid of `ring_blocks`.
-        let most = if kernel == "mv_gated_q4_k_ring" { self.ring_blocks } else { self.mv_blocks };
+        let most = if ring { self.ring_blocks } else { self.mv_blocks * (MV_THREADS / 32) / warps };
         let cap = if most == 0 { u32::MAX } else { (most / slices).max(1) };
         // f16/bf16 rows beyond one per warp go two to a warp (`pairs` in decode.cu), and so do
         // Q4_K rows (`mv_q4_k_pairs`) of matrices with even numbers of rows.
@@ -570,9 +576,9 @@ impl MvGrids {
             ("mv_any", _, true) => "mv_any_q8",
             _ => kernel,
         };
-        let cap = if q6_pairs { (self.q6_pairs_blocks / slices).max(1) } else { cap };
+        let (cap, warps) = if q6_pairs { ((self.q6_pairs_blocks / slices).max(1), MV_THREADS / 32) } else { (cap, warps) };
         let blocks = rows.div_ceil(warps << pairs).clamp(1, cap);
-        MvShape { kernel, pairs, blocks, slices }
+        MvShape { kernel, pairs, blocks, slices, threads: warps * 32 }
     }
 
     /// Input values a block takes of a split launch's rows (`args.cols` of them; `args.slice` is
@@ -595,7 +601,7 @@ impl MvGrids {
         }
         let whole_passes = |slices: usize| {
             let shape = self.shape(kernel, &MvArgs { slice: slice_of(slices), ..*args }, rows);
-            let passes = rows as f64 / f64::from(shape.blocks * ((MV_THREADS / 32) << shape.pairs));
+            let passes = rows as f64 / f64::from(shape.blocks * ((shape.threads / 32) << shape.pairs));
             passes.ceil() - passes < 0.05
         };
         match (cols.div_ceil(3072)..=cols.div_ceil(1024)).rev().find(|&slices| whole_passes(slices)) {
@@ -828,7 +834,15 @@ impl FusedDecode {
         let optin = optin.saturating_sub(1024);
         let sms = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(driver)? as u32;
         let mv_pairs = tuned("PAIRS", 1) != 0;
+        // Unsplit launches in blocks of 512 threads (`SHOAL_FUSED_MV_THREADS=256`: 256): half as
+        // many blocks each staging (norming, quantizing) the whole input, each faster. One H100
+        // (session 40, two alternating rounds, 64-token prompts): 1.5B f16 684.7 / 687.2 -> 703.2 /
+        // 699.5 tok/s, 7B Q4_K_M 447.2 / 447.0 -> 453.7 / 451.0, 1.5B Q4_K_M 1076.7 / 1060.1 ->
+        // 1061.7 / 1080.8. Split launches too were slower on the 7B Q4_K_M (445.0 / 444.7 -> 438.0
+        // / 434.8): their slice counts are chosen for 8-warp grids.
+        let mv_warps = if tuned("MV_THREADS", 512) == 256 { 8 } else { 16 };
         let grids = MvGrids {
+            mv_warps,
             mv_blocks: sms * tuned("MV_WAVES", 4),
             ring_blocks: 0,
             mv_pairs,
@@ -1249,9 +1263,9 @@ impl FusedDecode {
             match *l {
                 Launch::Mv { mut args, rows, kernel } => {
                     (args.trace, args.launch, args.preload) = (trace, i as i32, i32::from(self.preload));
-                    let MvShape { kernel, pairs, blocks, slices } = self.grids.shape(kernel, &args, rows);
+                    let MvShape { kernel, pairs, blocks, slices, threads } = self.grids.shape(kernel, &args, rows);
                     args.pairs = pairs;
-                    let cfg = LaunchConfig { grid_dim: (blocks, slices, 1), block_dim: (MV_THREADS, 1, 1), shared_mem_bytes: mv_smem(&args) as u32 };
+                    let cfg = LaunchConfig { grid_dim: (blocks, slices, 1), block_dim: (threads, 1, 1), shared_mem_bytes: mv_smem(&args) as u32 };
                     // SAFETY: `args` points at buffers kept alive by `self` (weights held by the
                     // shard, scratch in `_keep`), sized at planning for these rows and columns.
                     unsafe { self.launch(&self.mv[kernel], cfg, &mut [(&raw mut args).cast()]) }?;
@@ -1301,7 +1315,7 @@ mod tests {
 
     /// An H100's grids (132 SMs) with every pairing on, as `FusedDecode::build` sets them.
     fn h100() -> MvGrids {
-        MvGrids { mv_blocks: 132 * 4, ring_blocks: 132 * 3, mv_pairs: true, q4_pairs: true, q6_pairs_blocks: 132 * 3 }
+        MvGrids { mv_blocks: 132 * 4, mv_warps: 8, ring_blocks: 132 * 3, mv_pairs: true, q4_pairs: true, q6_pairs_blocks: 132 * 3 }
     }
 
     /// A down launch (`rows` x `cols`, one matrix of `fmt`, added into the residual) as planned:
