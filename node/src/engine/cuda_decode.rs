@@ -1315,7 +1315,7 @@ mod tests {
 
     /// An H100's grids (132 SMs) with every pairing on, as `FusedDecode::build` sets them.
     fn h100() -> MvGrids {
-        MvGrids { mv_blocks: 132 * 4, mv_warps: 8, ring_blocks: 132 * 3, mv_pairs: true, q4_pairs: true, q6_pairs_blocks: 132 * 3 }
+        MvGrids { mv_blocks: 132 * 4, mv_warps: 16, ring_blocks: 132 * 3, mv_pairs: true, q4_pairs: true, q6_pairs_blocks: 132 * 3 }
     }
 
     /// A down launch (`rows` x `cols`, one matrix of `fmt`, added into the residual) as planned:
@@ -1351,6 +1351,20 @@ mod tests {
     }
 
     #[test]
+    fn unsplit_launches_take_blocks_of_512_threads_and_split_ones_of_256() {
+        let grids = h100();
+        // Qwen2.5-7B's o (3,584 x 3,584 Q4_K, added into the residual, rows whole): one row a warp
+        // in 224 blocks of 16 warps.
+        let (kernel, args) = down(FMT_Q4_K, 3584, 3584);
+        let shape = grids.shape(kernel, &args, 3584);
+        assert_eq!((shape.kernel, shape.threads, shape.blocks, shape.slices), ("mv_q4_k_q8", 512, 224, 1));
+        // Its down (split in 7 slices): 75 blocks of 8 warps a slice, as the slice rule assumes.
+        let (kernel, args) = down(FMT_Q4_K, 3584, 18944);
+        let shape = grids.shape(kernel, &MvArgs { slice: 2816, ..args }, 3584);
+        assert_eq!((shape.threads, shape.blocks, shape.slices), (256, 75, 7));
+    }
+
+    #[test]
     fn split_slices_give_every_warp_whole_passes_where_some_count_does() {
         let grids = h100();
         // Qwen2.5-7B's down (18,944 values, 3,584 rows): 7 slices of 2,816 values in f16, Q4_K and
@@ -1362,7 +1376,7 @@ mod tests {
             assert_eq!(slice, 2816, "format {fmt}");
             let shape = grids.shape(kernel, &MvArgs { slice, ..args }, 3584);
             assert_eq!(shape.slices, 7);
-            let rows_a_pass = shape.blocks * (8 << shape.pairs);
+            let rows_a_pass = shape.blocks * ((shape.threads / 32) << shape.pairs);
             let last_pass = 3584 - (3584 - 1) / rows_a_pass * rows_a_pass;
             assert!(last_pass >= rows_a_pass * 95 / 100, "format {fmt}: {rows_a_pass} rows a pass, {last_pass} in the last");
         }
