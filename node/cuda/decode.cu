@@ -943,9 +943,9 @@ template <int R, bool IN_SHARED = false>
 __device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, const float* xsum, float* out, bool preloaded = false, const Q4Loads& first = Q4Loads{});
 
 // The staged input of an int8 instance (`q4k` = 2): `in.xs` quantized into the space of the
-// reordered copy that f32 Q4_K instances use (kn + kn / 8 of its 4 kn bytes).
-// The int8 values come first (kn bytes), then their scales (kn / 32 f32), then the sums of 16
-// (kn / 16 f32). With `tag_in` = 2 the producer quantized them and `stage_input` put them there.
+// reordered copy that f32 Q4_K instances use (kn + kn / 8 + kn / 4 of its 4 kn bytes): the int8
+// values (kn bytes), their scales (kn / 32 f32), then the sums of 16 (kn / 16 f32). With `tag_in`
+// = 2 the producer quantized them and `stage_input` put them there.
 __device__ __forceinline__ void stage_q8(const MvArgs& a, Staged& in, int kn) {
     int8_t* x8 = reinterpret_cast<int8_t*>(const_cast<float*>(in.xp));
     float* dx = reinterpret_cast<float*>(x8 + kn);

@@ -549,8 +549,8 @@ struct MvShape {
 impl MvGrids {
     /// The shape of a launch of `rows` rows planned for `kernel` with `args`.
     fn shape(&self, kernel: &'static str, args: &MvArgs, rows: u32) -> MvShape {
-        // A block takes 8 rows (or gate/up pairs) at a time; a split grid's blocks loop over
-        // more rows so that each staged input slice serves several.
+        // A block takes 8 or 16 rows (or gate/up pairs) at a time, a warp each; a split grid's
+        // blocks loop over more rows so that each staged input slice serves several.
         let slices = (args.cols as u32).div_ceil(args.slice as u32);
         let ring = kernel == "mv_gated_q4_k_ring";
         let warps = if ring || slices > 1 { MV_THREADS / 32 } else { self.mv_warps };
