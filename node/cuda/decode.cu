@@ -69,6 +69,9 @@ struct MvArgs {
     int tag_out;         // 1: out gets tagged values (`store_tagged`)
     const unsigned long long* tag;  // the step's tag, written before its first kernel (tagged
                                     // input or output, or split-K partials)
+    const uint8_t* ahead[2];        // read-ahead: the starts of two matrices a later launch reads
+    long long ahead_bytes;          // first (of each), this launch's blocks pulling them into L2
+                                    // before their wait (0: none; see `stage_input`)
 };
 
 // Programmatic dependent launch (Hopper on): `allow_next_kernel` lets the next kernel's blocks
@@ -849,6 +852,18 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
             int lr = first;
             Seg sg = seg_of_row(a, &lr);
             prefetch_l2(row_at(sg.w, sg.fmt, lr, a.cols, k0), fmt_bytes(sg.fmt, kn), lane);
+        }
+    }
+    // Read-ahead: this block's share of the first `ahead_bytes` of each of two matrices that a
+    // later launch reads first (gate/up's first rows, set on o), pulled into L2 after this
+    // block's own rows went out: HBM idles while the launches from q/k/v to o wait on each
+    // other's results. A few MB: more evicts, or delays, what the chain itself reads.
+    if (a.ahead_bytes > 0) {
+        long long blocks = (long long)gridDim.x * gridDim.y, b = (long long)blockIdx.y * gridDim.x + blockIdx.x;
+        long long lines = (a.ahead_bytes + 127) >> 7, per = (lines + blocks - 1) / blocks, end = min(lines, (b + 1) * per);
+        for (long long l = b * per + threadIdx.x; l < end; l += blockDim.x) {
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(a.ahead[0] + (l << 7)));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(a.ahead[1] + (l << 7)));
         }
     }
     // The norm weights of this block's slice depend on no kernel: they go to xs before the wait,

@@ -90,6 +90,8 @@ struct MvArgs {
     tag_in: i32,
     tag_out: i32,
     tag: u64,
+    ahead: [u64; 2],
+    ahead_bytes: i64,
 }
 
 /// `AttnArgs` in decode.cu.
@@ -650,13 +652,30 @@ fn ring_blocks_per_sm(smem_per_sm: usize, reserved: usize, bytes: usize) -> u32 
 fn mv_smem(a: &MvArgs) -> usize {
     let n = a.slice as usize;
     if a.stream > 0 {
-        let row_bytes = n / 256 * 144;
-        n + n / 32 * 4 + n / 16 * 4 + a.stream as usize * (MV_THREADS as usize / 32) * 2 * row_bytes
+        n + n / 32 * 4 + n / 16 * 4 + a.stream as usize * (MV_THREADS as usize / 32) * 2 * fmt_bytes(FMT_Q4_K, n)
     } else if a.q4k != 0 {
         n * 4 * 2 + n / 16 * 4
     } else {
         n * 4
     }
+}
+
+/// Bytes that `n` values of a row take in `fmt` (`fmt_bytes` in decode.cu; `n` whole blocks).
+fn fmt_bytes(fmt: i32, n: usize) -> usize {
+    match fmt {
+        FMT_F32 => n * 4,
+        FMT_F16 | FMT_BF16 => n * 2,
+        FMT_Q8_0 => n / 32 * 34,
+        FMT_Q4_K => n / 256 * 144,
+        _ => n / 256 * 210,
+    }
+}
+
+/// Bytes of each of gate and up (`gate_up`, as planned) that o's blocks pull into L2: half of
+/// `ahead` each, at most the whole matrix.
+fn read_ahead_bytes(ahead: usize, gate_up: &MvArgs) -> i64 {
+    let matrix = gate_up.seg[0].rows as usize * fmt_bytes(gate_up.seg[0].fmt, gate_up.cols as usize);
+    (ahead / 2).min(matrix) as i64
 }
 
 /// The `mv` instance in decode.cu for a launch (`gated`: act(gate)·up) whose matrices are in
@@ -851,6 +870,14 @@ impl FusedDecode {
         };
         let smem_per_sm = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR).map_err(driver)? as usize;
         let smem_reserved = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK).map_err(driver)? as usize;
+        // Read-ahead (`ahead` in decode.cu): o's blocks pull the first 2 MB of gate/up's rows
+        // (`SHOAL_FUSED_AHEAD_KB`: that many KB, half from each matrix; 0: none) into L2 while
+        // they wait, HBM's idle time between q/k/v and gate/up. One H100 (session 41, 64-token
+        // prompts, alternating rounds, 0 -> 2 MB): 1.5B f16 697.4 / 701.5 / 697.6 -> 708.0 /
+        // 707.5 / 703.9 tok/s; 1.5B Q4_K_M 1063.4 / 1065.5 / 1056.4 -> 1048.7 / 1071.6 / 1070.8,
+        // 7B Q4_K_M and f16 unchanged. More lost: 8.5 MB 1.5B Q4_K_M 1038.5 / 1049.9, 17 MB
+        // 1024.3 / 1024.8 against 1072.3 / 1054.7 (session 40: 25 MB lost on all but the 7B).
+        let ahead = tuned("AHEAD_KB", 2048) as usize * 1024;
         let mut p = Planner { device, keep: Vec::new(), max_smem: 0, smem_limit: optin, grids, sms, smem_per_sm, smem_reserved };
         let x_t = Tensor::zeros(hidden, DType::F32, device)?;
         let x = tensor_ptr(&x_t)?;
@@ -934,14 +961,19 @@ impl FusedDecode {
                 }
             }
             launches.push(Launch::Attend { args });
-            launches.extend(o);
             let m = &layer.mlp;
             let act = p.scratch(2 * shape(&m.gate)?.0)?;
             let mode = match m.activation {
                 Activation::Silu => MODE_SILU,
                 Activation::GeluTanh => MODE_GELU_TANH,
             };
-            launches.push(tagged(p.mv(&[&m.gate, &m.up], x, Some(&layer.ffn_norm), mode, act)?, false, true));
+            let gate_up = tagged(p.mv(&[&m.gate, &m.up], x, Some(&layer.ffn_norm), mode, act)?, false, true);
+            // o's blocks pull gate/up's first rows into L2 while they wait for attention.
+            if let (Launch::Mv { args: o_args, .. }, Launch::Mv { args: gu, .. }) = (&mut o[0], &gate_up) {
+                (o_args.ahead, o_args.ahead_bytes) = ([gu.seg[0].w, gu.seg[1].w], read_ahead_bytes(ahead, gu));
+            }
+            launches.extend(o);
+            launches.push(gate_up);
             let mut down = p.residual(&m.down, act, layer.post_ffn_norm.as_ref(), x, h, hidden)?;
             down[0] = tagged(down[0], true, false);
             launches.extend(down);
@@ -1362,6 +1394,21 @@ mod tests {
         let (kernel, args) = down(FMT_Q4_K, 3584, 18944);
         let shape = grids.shape(kernel, &MvArgs { slice: 2816, ..args }, 3584);
         assert_eq!((shape.threads, shape.blocks, shape.slices), (256, 75, 7));
+    }
+
+    #[test]
+    fn o_reads_ahead_half_of_its_bytes_from_gate_and_half_from_up_at_most_each_whole() {
+        let gate_up = |fmt: i32, rows: i32, cols: i32| {
+            let mut args = MvArgs { nseg: 2, cols, slice: cols, mode: MODE_SILU, ..MvArgs::default() };
+            args.seg[0] = Seg { fmt, rows, ..Seg::default() };
+            args.seg[1] = args.seg[0];
+            args
+        };
+        // 2 MB: 1 MB of each of Qwen2.5-7B's Q4_K gate and up (38 MB each).
+        assert_eq!(read_ahead_bytes(2 << 20, &gate_up(FMT_Q4_K, 18944, 3584)), 1 << 20);
+        // A small model's whole f16 matrix (64 rows of 256 values, 32 KB) is the most.
+        assert_eq!(read_ahead_bytes(2 << 20, &gate_up(FMT_F16, 64, 256)), 32 << 10);
+        assert_eq!(read_ahead_bytes(0, &gate_up(FMT_F16, 64, 256)), 0);
     }
 
     #[test]
