@@ -857,7 +857,7 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
     // Read-ahead: this block's share of the first `ahead_bytes` of each of two matrices that a
     // later launch reads first (gate/up's first rows, set on o), pulled into L2 after this
     // block's own rows went out: HBM idles while the launches from q/k/v to o wait on each
-    // other's results. A few MB: more evicts, or delays, what the chain itself reads.
+    // other's results. A few MB: more was slower (session 41; the log has the figures).
     if (a.ahead_bytes > 0) {
         long long blocks = (long long)gridDim.x * gridDim.y, b = (long long)blockIdx.y * gridDim.x + blockIdx.x;
         long long lines = (a.ahead_bytes + 127) >> 7, per = (lines + blocks - 1) / blocks, end = min(lines, (b + 1) * per);
