@@ -16,9 +16,22 @@ __global__ void writer(float* x, int n, int copies, int stride) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
         for (int c = 0; c < copies; c++) atomicAdd(&x[c * stride + i], 1.0f);
 }
+// Every thread with its sum of squares: the block's sum, then thread 0 records the block's time
+// since t0 (and keeps the sum and xs alive through an unlikely store).
+__device__ void block_done(float ss, const float* xs, unsigned long long t0, unsigned long long* t, float* sink) {
+    __shared__ float part[32];
+    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(~0u, ss, o);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float s = 0; for (int w = 0; w < blockDim.x / 32; w++) s += part[w];
+        unsigned long long t1 = now_ns();
+        t[blockIdx.x] = t1 - t0;
+        if (s == 12345.f) sink[0] = xs[5];
+    }
+}
 __global__ void reader(const float* x, int n, int copies, int stride, unsigned long long* t, float* sink) {
     __shared__ float xs[8192];
-    __shared__ float part[32];
     __shared__ unsigned long long t0;
     if (threadIdx.x == 0) t0 = now_ns();
     __syncthreads();
@@ -30,21 +43,12 @@ __global__ void reader(const float* x, int n, int copies, int stride, unsigned l
         ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         reinterpret_cast<float4*>(xs)[j] = v;
     }
-    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(~0u, ss, o);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float s = 0; for (int w = 0; w < blockDim.x / 32; w++) s += part[w];
-        unsigned long long t1 = now_ns();
-        t[blockIdx.x] = t1 - t0;
-        if (s == 12345.f) sink[0] = xs[5];
-    }
+    block_done(ss, xs, t0, t, sink);
 }
 // The same read as one bulk copy (TMA, sm_90): thread 0 asks for the whole vector into shared
 // memory against an mbarrier, every thread waits on it, then sums from shared memory.
 __global__ void bulk_reader(const float* x, int n, int copies, int stride, unsigned long long* t, float* sink) {
     __shared__ alignas(128) float xs[8192];
-    __shared__ float part[32];
     __shared__ alignas(8) unsigned long long mbar;
     __shared__ unsigned long long t0;
     unsigned bar = (unsigned)__cvta_generic_to_shared(&mbar), dst = (unsigned)__cvta_generic_to_shared(xs);
@@ -68,15 +72,7 @@ __global__ void bulk_reader(const float* x, int n, int copies, int stride, unsig
         float4 v = reinterpret_cast<const float4*>(xs)[j];
         ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
     }
-    for (int o = 16; o; o >>= 1) ss += __shfl_xor_sync(~0u, ss, o);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float s = 0; for (int w = 0; w < blockDim.x / 32; w++) s += part[w];
-        unsigned long long t1 = now_ns();
-        t[blockIdx.x] = t1 - t0;
-        if (s == 12345.f) sink[0] = xs[5];
-    }
+    block_done(ss, xs, t0, t, sink);
 }
 
 int main() {
