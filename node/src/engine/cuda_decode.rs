@@ -537,6 +537,9 @@ struct MvGrids {
     /// a launch, 3 an SM (both rows' loads in registers bound it), or 0 (`SHOAL_FUSED_Q6_PAIRS=0`:
     /// one row a warp at a time).
     q6_pairs_blocks: u32,
+    /// Whether o's launch (the one taking attention's values as int8, `tag_in` 2) takes its Q4_K
+    /// rows two a warp however many warps its grid has (`o_in_pairs`).
+    o_pairs: bool,
 }
 
 /// An `mv` launch as it runs: its kernel instance, `pairs` (rows two a warp) and grid.
@@ -561,7 +564,7 @@ impl MvGrids {
         let cap = if most == 0 { u32::MAX } else { (most / slices).max(1) };
         // f16/bf16 rows beyond one per warp go two to a warp (`pairs` in decode.cu), and so do
         // Q4_K rows (`mv_q4_k_pairs`) of matrices with even numbers of rows.
-        let more_rows_than_warps = rows > cap.saturating_mul(warps);
+        let more_rows_than_warps = rows > cap.saturating_mul(warps) || (self.o_pairs && args.tag_in == 2);
         let even = args.seg[..args.nseg as usize].iter().all(|s| s.rows % 2 == 0);
         let q4_pairs = self.q4_pairs && kernel == "mv_q4_k" && more_rows_than_warps && even;
         // Q6_K pairs only where each warp has many rows (LM heads): with a few (the 1.5B's down)
@@ -610,6 +613,23 @@ impl MvGrids {
             Some(slices) => slice_of(slices),
             None => slice_of(cols.div_ceil(2048)),
         }
+    }
+}
+
+/// Whether o's rows go two a warp (`MvGrids::o_pairs`) for a step whose gate/up ring takes
+/// `ring_blocks_per_sm` (None: no ring): where it takes at most 2. o's blocks of 512 threads at 64
+/// registers then fill half an SM's registers, not all of them (the 7B's o: 112 blocks, not
+/// 224), and the ring's two blocks of 256 threads fit beside them, so they start while attention
+/// and o run and send their first copies before o ends, not after. One H100 (session 42, 64-token
+/// prompts, three calls, alternating, off -> on): 7B Q4_K_M 452.2 / 449.5 -> 457.4 / 454.0,
+/// 450.2 / 452.4 -> 455.0 / 454.9, 447.7 / 448.0 -> 451.9 / 454.7 tok/s (o's own work 2.7 -> 4.0
+/// us a layer; gate/up's first wait 2.8 -> 1.2-1.7 us after o's end, its span 32.8 -> 31.0). Where
+/// the ring takes 4 an SM (the 1.5B) nothing fits beside o, and pairs only slowed o (1.5B Q4_K_M
+/// 1053.3 / 1044.2 -> 1028.7 / 1031.6). `SHOAL_FUSED_O_PAIRS`: 0 never, 1 always.
+fn o_in_pairs(ring_blocks_per_sm: Option<u32>) -> bool {
+    match overridden("O_PAIRS") {
+        Some(n) => n != 0,
+        None => ring_blocks_per_sm.is_some_and(|n| n <= 2),
     }
 }
 
@@ -867,6 +887,7 @@ impl FusedDecode {
             mv_pairs,
             q4_pairs: mv_pairs && tuned("Q4_PAIRS", 1) != 0,
             q6_pairs_blocks: if mv_pairs && tuned("Q6_PAIRS", 1) != 0 { sms * 3 } else { 0 },
+            o_pairs: false,  // (set once the ring's grid is known, below)
         };
         let smem_per_sm = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR).map_err(driver)? as usize;
         let smem_reserved = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK).map_err(driver)? as usize;
@@ -1040,8 +1061,10 @@ impl FusedDecode {
             Launch::Mv { args, kernel: "mv_gated_q4_k_ring", .. } => Some(mv_smem(args)),
             _ => None,
         });
-        let ring_fit = ring_smem.max().map_or(3, |bytes| ring_blocks_per_sm(p.smem_per_sm, p.smem_reserved, bytes));
-        let grids = MvGrids { ring_blocks: sms * tuned("RING_WAVES", ring_fit), ..grids };
+        let ring_fit = ring_smem.max().map(|bytes| ring_blocks_per_sm(p.smem_per_sm, p.smem_reserved, bytes));
+        let ring_per_sm = tuned("RING_WAVES", ring_fit.unwrap_or(3));
+        let o_pairs = o_in_pairs(ring_fit.map(|_| ring_per_sm));
+        let grids = MvGrids { ring_blocks: sms * ring_per_sm, o_pairs, ..grids };
         let attend_threads = tuned("ATTEND_THREADS", 512).clamp(64, 512) / 32 * 32;
         let use_graph = std::env::var("SHOAL_CUDA_GRAPH").map_or(true, |v| v != "0");
         // `SHOAL_FUSED_DECODE=0` turns the fused step off (a diagnostic).
@@ -1347,7 +1370,7 @@ mod tests {
 
     /// An H100's grids (132 SMs) with every pairing on, as `FusedDecode::build` sets them.
     fn h100() -> MvGrids {
-        MvGrids { mv_blocks: 132 * 4, mv_warps: 16, ring_blocks: 132 * 3, mv_pairs: true, q4_pairs: true, q6_pairs_blocks: 132 * 3 }
+        MvGrids { mv_blocks: 132 * 4, mv_warps: 16, ring_blocks: 132 * 3, mv_pairs: true, q4_pairs: true, q6_pairs_blocks: 132 * 3, o_pairs: false }
     }
 
     /// A down launch (`rows` x `cols`, one matrix of `fmt`, added into the residual) as planned:
@@ -1394,6 +1417,23 @@ mod tests {
         let (kernel, args) = down(FMT_Q4_K, 3584, 18944);
         let shape = grids.shape(kernel, &MvArgs { slice: 2816, ..args }, 3584);
         assert_eq!((shape.threads, shape.blocks, shape.slices), (256, 75, 7));
+    }
+
+    #[test]
+    fn o_takes_rows_two_a_warp_in_half_the_blocks_where_the_ring_fits_beside_it() {
+        // The 7B's ring (3 stages, 2 blocks an SM) fits beside o's halved grid; the 1.5B's (4 an
+        // SM) does not; a step with no ring keeps o as it is.
+        assert!(o_in_pairs(Some(2)));
+        assert!(!o_in_pairs(Some(4)));
+        assert!(!o_in_pairs(None));
+        // Qwen2.5-7B's o taking attention's int8 values: 112 blocks of 16 warps, two rows each.
+        let grids = MvGrids { o_pairs: true, ..h100() };
+        let (kernel, args) = down(FMT_Q4_K, 3584, 3584);
+        let o = MvArgs { tag_in: 2, ..args };
+        let shape = grids.shape(kernel, &o, 3584);
+        assert_eq!((shape.kernel, shape.pairs, shape.threads, shape.blocks), ("mv_q4_k_q8_pairs", 1, 512, 112));
+        // Other launches keep their shapes.
+        assert_eq!(grids.shape(kernel, &args, 3584).blocks, 224);
     }
 
     #[test]
