@@ -563,10 +563,12 @@ impl MvGrids {
         let most = if ring { self.ring_blocks } else { self.mv_blocks * (MV_THREADS / 32) / warps };
         let cap = if most == 0 { u32::MAX } else { (most / slices).max(1) };
         // f16/bf16 rows beyond one per warp go two to a warp (`pairs` in decode.cu), and so do
-        // Q4_K rows (`mv_q4_k_pairs`) of matrices with even numbers of rows.
-        let more_rows_than_warps = rows > cap.saturating_mul(warps) || (self.o_pairs && args.tag_in == 2);
+        // Q4_K rows (`mv_q4_k_pairs`) of matrices with even numbers of rows, and o's int8 rows
+        // whatever its grid where `o_pairs`.
+        let more_rows_than_warps = rows > cap.saturating_mul(warps);
         let even = args.seg[..args.nseg as usize].iter().all(|s| s.rows % 2 == 0);
-        let q4_pairs = self.q4_pairs && kernel == "mv_q4_k" && more_rows_than_warps && even;
+        let o_two_a_warp = self.o_pairs && args.tag_in == 2;
+        let q4_pairs = self.q4_pairs && kernel == "mv_q4_k" && (more_rows_than_warps || o_two_a_warp) && even;
         // Q6_K pairs only where each warp has many rows (LM heads): with a few (the 1.5B's down)
         // the fewer blocks cost more than the pairs save.
         let many_rows = rows >= cap.saturating_mul(warps).saturating_mul(16);
