@@ -625,7 +625,7 @@ impl MvGrids {
 /// and o run and send their first copies before o ends, not after. One H100 (session 42, 64-token
 /// prompts, three calls, alternating, off -> on): 7B Q4_K_M 452.2 / 449.5 -> 457.4 / 454.0,
 /// 450.2 / 452.4 -> 455.0 / 454.9, 447.7 / 448.0 -> 451.9 / 454.7 tok/s (o's own work 2.7 -> 4.0
-/// us a layer; gate/up's first wait 2.8 -> 1.2-1.7 us after o's end, its span 32.8 -> 31.0). Where
+/// us a layer; gate/up's first wait 2.8 -> 1.2-1.4 us after o's end, its span 32.8 -> 31.0). Where
 /// the ring takes 4 an SM (the 1.5B) nothing fits beside o, and pairs only slowed o (1.5B Q4_K_M
 /// 1053.3 / 1044.2 -> 1028.7 / 1031.6). `SHOAL_FUSED_O_PAIRS`: 0 never, 1 always.
 fn o_in_pairs(ring_blocks_per_sm: Option<u32>) -> bool {
@@ -1063,10 +1063,8 @@ impl FusedDecode {
             Launch::Mv { args, kernel: "mv_gated_q4_k_ring", .. } => Some(mv_smem(args)),
             _ => None,
         });
-        let ring_fit = ring_smem.max().map(|bytes| ring_blocks_per_sm(p.smem_per_sm, p.smem_reserved, bytes));
-        let ring_per_sm = tuned("RING_WAVES", ring_fit.unwrap_or(3));
-        let o_pairs = o_in_pairs(ring_fit.map(|_| ring_per_sm));
-        let grids = MvGrids { ring_blocks: sms * ring_per_sm, o_pairs, ..grids };
+        let ring_per_sm = ring_smem.max().map(|bytes| tuned("RING_WAVES", ring_blocks_per_sm(p.smem_per_sm, p.smem_reserved, bytes)));
+        let grids = MvGrids { ring_blocks: sms * ring_per_sm.unwrap_or(3), o_pairs: o_in_pairs(ring_per_sm), ..grids };
         let attend_threads = tuned("ATTEND_THREADS", 512).clamp(64, 512) / 32 * 32;
         let use_graph = std::env::var("SHOAL_CUDA_GRAPH").map_or(true, |v| v != "0");
         // `SHOAL_FUSED_DECODE=0` turns the fused step off (a diagnostic).
