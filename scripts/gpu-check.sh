@@ -11,14 +11,16 @@
 #                                   600-token Q4_K_M prompt dequantized to f16 is at least as
 #                                   close to f32 as candle's MMQ kernels; the
 #                                   GPU's sampling (temperature, top-k, top-p, min-p) agrees with the CPU sampler
-#   scripts/gpu-check.sh bench [q15] [q7]   shoal bench (f16, Q4_K_M) for 1.5B and 7B shapes vs
-#                                   transformers f16 on the same GPU, one run, printed as a table
+#   scripts/gpu-check.sh bench [SHAPE...]   shoal bench (f16, Q4_K_M) vs transformers f16 on the
+#                                   same GPU, one run, printed as a table; shapes q15 (Qwen2.5-1.5B),
+#                                   q7 (Qwen2.5-7B; these two by default), q05 (0.5B), q3 (3B), l8
+#                                   (Llama-3-8B)
 #   scripts/gpu-check.sh swarm      a CUDA node and two CPU-only nodes (network namespaces when
 #                                   `ip netns` works, loopback otherwise) serve one model; the
 #                                   plan and the output are compared with one node
-#   scripts/gpu-check.sh models [q15] [q7]   only generate (and quantize) the models, side by side
+#   scripts/gpu-check.sh models [SHAPE...]   only generate (and quantize) the models, side by side
 #   scripts/gpu-check.sh ab "MODELS" "SETTINGS" [ROUNDS]   for A/B tuning: decode tok/s and roofline
-#                                   of each model (q15-f16 q15-q4km q7-f16 q7-q4km) under each
+#                                   of each model (SHAPE-f16 or SHAPE-q4km: q15-f16 q7-q4km ...) under each
 #                                   setting in turn, ROUNDS times (2); SETTINGS are ';'-separated,
 #                                   each a list of VAR=value (SHOAL_BIN=path: another build), '' the
 #                                   defaults: ab "q15-f16" "SHOAL_FUSED_PRELOAD=0;"
@@ -55,11 +57,14 @@ model() { # model NAME SHAPE [--peaky]: a generated f16 HF dir and its Q4_K_M GG
   fi
 }
 
-shape() { # shape q15|q7: that shape's f16 model and Q4_K_M GGUF, generated if missing
+shape() { # shape q15|q7|q05|q3|l8: that shape's f16 model and Q4_K_M GGUF, generated if missing
   case $1 in
     q15) model q15 qwen2.5-1.5b --peaky ;;
     q7) model q7 qwen2.5-7b ;;
-    *) echo "unknown shape $1 (q15, q7)" >&2; return 1 ;;
+    q05) model q05 qwen2.5-0.5b ;;
+    q3) model q3 qwen2.5-3b ;;
+    l8) model l8 llama3-8b ;;
+    *) echo "unknown shape $1 (q15, q7, q05, q3, l8)" >&2; return 1 ;;
   esac
 }
 
@@ -88,7 +93,7 @@ fidelity() {
   "$CHECK" prompt "$WORK/q15-q4km/model.gguf" --device cuda --tokens 600 || fail=1
 }
 
-bench() { # bench [q15] [q7]: which model shapes (default both)
+bench() { # bench [SHAPE...]: which model shapes (q15, q7, q05, q3, l8; default q15 q7)
   local shapes=("$@"); [[ ${#shapes[@]} -eq 0 ]] && shapes=(q15 q7)
   local runs=()
   for s in "${shapes[@]}"; do
@@ -116,8 +121,8 @@ if rows and "mem_bw_bytes_s" in rows[0]:
 PY
 }
 
-model_path() { # model_path q15-f16|q15-q4km|q7-f16|q7-q4km: generated if missing; prints its path
-  [[ $1 == *-f16 || $1 == *-q4km ]] || { echo "unknown model $1 (q15-f16, q15-q4km, q7-f16, q7-q4km)" >&2; return 1; }
+model_path() { # model_path SHAPE-f16|SHAPE-q4km: generated if missing; prints its path
+  [[ $1 == *-f16 || $1 == *-q4km ]] || { echo "unknown model $1 (SHAPE-f16 or SHAPE-q4km)" >&2; return 1; }
   shape "${1%-*}" >&2 || return 1
   case $1 in *-q4km) echo "$WORK/$1/model.gguf" ;; *) echo "$WORK/$1" ;; esac
 }

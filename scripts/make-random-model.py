@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """make-random-model.py — write a random-weight Hugging Face model of a real architecture's shape.
 
-Usage: make-random-model.py --shape qwen2.5-1.5b|qwen2.5-7b|llama3-8b --out DIR
+Usage: make-random-model.py --shape qwen2.5-0.5b|qwen2.5-1.5b|qwen2.5-3b|qwen2.5-7b|llama3-8b --out DIR
                             [--dtype f16|bf16|f32] [--tokenizer tokenizer.json] [--peaky] [--seed N]
 
 For benchmarks and device checks where the real weights cannot travel (the GPU machine has no
@@ -13,9 +13,15 @@ comparisons then test the arithmetic, not near-ties). It does not download anyth
 import argparse, json, os, shutil, time
 
 SHAPES = {
+    "qwen2.5-0.5b": dict(arch="Qwen2ForCausalLM", model_type="qwen2", hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                         max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
     "qwen2.5-1.5b": dict(arch="Qwen2ForCausalLM", model_type="qwen2", hidden_size=1536, intermediate_size=8960,
                          num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
                          max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "qwen2.5-3b": dict(arch="Qwen2ForCausalLM", model_type="qwen2", hidden_size=2048, intermediate_size=11008,
+                       num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
+                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True),
     "qwen2.5-7b": dict(arch="Qwen2ForCausalLM", model_type="qwen2", hidden_size=3584, intermediate_size=18944,
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                        max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False),
