@@ -954,7 +954,7 @@ __device__ __forceinline__ void q4k_load(const Q4Lane& ln, const uint8_t* const*
     }
 }
 
-template <int R, bool IN_SHARED = false>
+template <int R, bool ONE_STEP = false>
 __device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, const float* xsum, float* out, bool preloaded = false, const Q4Loads& first = Q4Loads{});
 
 // The staged input of an int8 instance (`q4k` = 2): `in.xs` quantized into the space of the
@@ -1221,8 +1221,9 @@ __device__ __forceinline__ void q4k_use(const Q4Lane& ln, const Q4Loads& l, cons
 }
 
 // With `preloaded`, `first` holds the loads of the lane's first step (block lane / 8).
-// Steps go two at a time, both loaded before either is used.
-template <int R, bool IN_SHARED>
+// Steps go two at a time, both loaded before either is used (ONE_STEP: one at a time, for the
+// 3-stage ring's rows in shared memory).
+template <int R, bool ONE_STEP>
 __device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, const float* xsum, float* out, bool preloaded, const Q4Loads& first) {
     const Q4Lane ln = q4k_lane();
     int nb = cols >> 8, b = (threadIdx.x & 31) >> 3;
@@ -1254,7 +1255,7 @@ __device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols
         if (b < nb) use(0, first);
         advance(1);
     }
-    if (IN_SHARED) {  // rows in shared memory (`q4k_gated_ring`): nothing to keep in flight
+    if (ONE_STEP) {
         for (; b < nb; advance(1)) {
             Q4Loads l;
             load(0, l);
@@ -1280,8 +1281,10 @@ __host__ __device__ __forceinline__ size_t q4k_ring_smem(int cols, int warps, in
 // (no registers held while in flight, so more bytes in flight than loads into registers allow)
 // while it multiplies the pair that has landed, with int8 activations (`dot_q4_k_q8`). Its first
 // copies go out before the previous kernel is waited for (weights depend on no kernel). No
-// block-wide hand-off: a warp waits only for its own copies.
-template <int STAGES>
+// block-wide hand-off: a warp waits only for its own copies. TWO_STEPS: a row's blocks are read
+// from shared memory two steps at a time (`two_steps_at_a_time`), both steps' loads in flight
+// together, rather than one (see `mv_gated_q4_k_ring_2`).
+template <int STAGES, bool TWO_STEPS = false>
 __device__ void q4k_gated_ring(const MvArgs& a, uint8_t* smem) {
     int lane = threadIdx.x & 31, warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
     int cols = a.cols, rows = a.seg[0].rows;
@@ -1324,7 +1327,7 @@ __device__ void q4k_gated_ring(const MvArgs& a, uint8_t* smem) {
         const uint8_t* slot = slot_of(i % STAGES);
         const uint8_t* pair[2] = {slot, slot + rb};
         float gu[2];
-        dot_q4_k_q8<2, true>(pair, cols, x8, dx, xsum, gu);
+        dot_q4_k_q8<2, !TWO_STEPS>(pair, cols, x8, dx, xsum, gu);
         if (lane == 0) {
             float gv = gu[0] + (a.seg[0].bias ? a.seg[0].bias[r] : 0.f), uv = gu[1] + (a.seg[1].bias ? a.seg[1].bias[r] : 0.f);
             store_out(a, r, (a.mode == MODE_SILU ? silu(gv) : gelu_tanh(gv)) * uv, in.tag);
@@ -1406,6 +1409,21 @@ extern "C" __global__ void __launch_bounds__(256, 4) mv_gated_q4_k_ring(MvArgs a
     uint8_t* smem = reinterpret_cast<uint8_t*>(ring_smem4);
     if (a.stream == 3) q4k_gated_ring<3>(a, smem);
     else q4k_gated_ring<2>(a, smem);
+}
+
+// The same for rings of 2 stages, a row's steps read two at a time. A warp's reads from shared
+// memory and its products are much of these launches' time (session 44: the 1.5B's gate/up with
+// every row in shared memory before its wait, 6 stages at 2 blocks an SM, worked 5.5 µs a layer,
+// against 5.2 streaming its rows at 2 stages and 4 blocks an SM).
+// An instance of its own, so that the 3-stage ring keeps its registers: in one kernel with it,
+// the ring spilled 8 bytes and the 7B Q4_K_M decoded 4% slower. One H100 (session 44, two
+// alternating rounds, 64-token prompts, against one step at a time): 1.5B Q4_K_M 1020.1 /
+// 1005.4 -> 1061.7 / 1061.7 tok/s, 3B 659.1 / 659.0 -> 741.0 / 733.0; the 7B (3 stages, this
+// kernel unchanged) 452.1 / 451.0 -> 450.0 / 453.4. Its 3-stage ring two steps at a time lost
+// (451.6 / 451.8 -> 448.3 / 447.9).
+extern "C" __global__ void __launch_bounds__(256, 4) mv_gated_q4_k_ring_2(MvArgs a) {
+    extern __shared__ float4 ring_smem4[];
+    q4k_gated_ring<2, true>(a, reinterpret_cast<uint8_t*>(ring_smem4));
 }
 
 // The first shard's input: row `**token_at` of the embedding table (rows `cols` wide in `fmt`,
