@@ -16,9 +16,14 @@
 //!     difference (within 10%); top-1 agreement is printed for both, not judged;
 //!   device_check prompt <model> [--device cuda] [--tokens 600]
 //!     a long prompt's last logits with quantized matrices dequantized to f16 for cuBLAS (what
-//!     prompts of 512 tokens and more take) and through candle's MMQ kernels (int8 activations),
+//!     prompts of 128 tokens and more take) and through candle's MMQ kernels (int8 activations),
 //!     both against candle's f32 dequantize-and-multiply on the same device: the f16 path within
 //!     1% of the logit range and no further off than MMQ, and the same top-1 id as the reference;
+//!   device_check dequant [--device cuda]
+//!     Q4_K and Q6_K matrices of a 7B's gate (18,944 x 3,584) dequantized to f16 on the GPU by
+//!     decode.cu's kernels equal candle's CPU dequantization rounded to f16, value for value; with
+//!     the milliseconds of those kernels (into the reused scratch) and of candle's own
+//!     (`QTensor::dequantize_f16`, a new tensor each time);
 //!   device_check interleave <model> [--device cuda] [--tokens 64]
 //!     two sequences decoded turn about (as a server interleaves requests) give the same greedy
 //!     tokens as each decoded alone, and the milliseconds per token of both ways;
@@ -284,6 +289,42 @@ fn main() -> anyhow::Result<()> {
                 said(mmq_top),
             );
             failures += usize::from(!ok);
+        }
+        #[cfg(feature = "cuda")]
+        (Some("dequant"), _) => {
+            use candle_core::quantized::{GgmlDType, QTensor};
+            let (rows, cols) = (18_944, 3_584);
+            let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+            let values: Vec<f32> = (0..rows * cols).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
+            let dense = candle_core::Tensor::from_vec(values, (rows, cols), &candle_core::Device::Cpu)?;
+            for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
+                let q = QTensor::quantize(&dense.to_device(device.candle())?, dtype)?;
+                let expected: Vec<half::f16> = q.dequantize(&candle_core::Device::Cpu)?.to_dtype(candle_core::DType::F16)?.flatten_all()?.to_vec1()?;
+                let got: Vec<half::f16> = shoal::engine::cuda_decode::with_dequantized_f16(&q, |dense| Ok(dense.flatten_all()?.to_vec1()?))?.context("no kernel for this format")?;
+                let differ = expected.iter().zip(&got).filter(|(a, b)| a.to_bits() != b.to_bits()).count() + expected.len().abs_diff(got.len());
+                // Milliseconds a matrix, the mean of 20 after one warm-up, each way.
+                let time = |f: &dyn Fn() -> anyhow::Result<()>| -> anyhow::Result<f64> {
+                    f()?;
+                    device.synchronize()?;
+                    let start = std::time::Instant::now();
+                    for _ in 0..20 {
+                        f()?;
+                    }
+                    device.synchronize()?;
+                    Ok(start.elapsed().as_secs_f64() * 1e3 / 20.0)
+                };
+                let ms = time(&|| Ok(shoal::engine::cuda_decode::with_dequantized_f16(&q, |_| Ok(()))?.context("no kernel")?))?;
+                let candle_ms = time(&|| Ok(drop(q.dequantize_f16(device.candle())?)))?;
+                let bytes = q.storage_size_in_bytes() + rows * cols * 2;
+                let ok = differ == 0;
+                println!(
+                    "{} dequant {dtype:?} {rows}x{cols} to f16: {differ} of {} values differ from the CPU's; {ms:.3} ms ({:.0} GB/s read + written), candle's kernel {candle_ms:.3} ms (with its allocation)",
+                    if ok { "PASS" } else { "FAIL" },
+                    expected.len(),
+                    bytes as f64 / ms / 1e6,
+                );
+                failures += usize::from(!ok);
+            }
         }
         (Some("interleave"), Some(model)) => {
             let n: usize = flag(&args, "--tokens").map(|t| t.parse()).transpose()?.unwrap_or(64);

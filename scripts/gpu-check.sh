@@ -89,7 +89,7 @@ fidelity() {
   "$CHECK" chain "$WORK/q15-q4km/model.gguf" --device cuda --tokens 64 || fail=1
   "$CHECK" interleave "$WORK/q15-f16" --device cuda --tokens 64 || fail=1
   "$CHECK" interleave "$WORK/q15-q4km/model.gguf" --device cuda --tokens 64 || fail=1
-  # Prompts of 512 tokens and more multiply quantized matrices dequantized to f16 (cuBLAS).
+  # Prompts of 128 tokens and more multiply quantized matrices dequantized to f16 (cuBLAS).
   "$CHECK" prompt "$WORK/q15-q4km/model.gguf" --device cuda --tokens 600 || fail=1
 }
 

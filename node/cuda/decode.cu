@@ -16,10 +16,12 @@
 // of the previous one's output (attention its head's q/k/v, o and down a slice of their input),
 // it does not wait for that kernel's end: it reads each value once it carries the step's tag
 // (`load_tagged`).
-// Also here, at the end: sampling where the logits are (`sample_temperature` draws a token,
+// Also here: a prompt's Q4_K and Q6_K matrices dequantized to f16 for cuBLAS
+// (`dequant_q4_k_f16`, `dequant_q6_k_f16`); at the end, sampling where the logits are (`sample_temperature` draws a token,
 // `sample_candidates` gathers top-k / top-p / min-p candidates for the host's cuts, `pick_token`
 // feeds a greedy or temperature pick straight into the next step's embedding).
-// What this file does not do: prompts (t > 1 run through candle and cuBLAS), batches, the
+// What this file does not do: prompts' matrix products and attention (t > 1 run through candle
+// and cuBLAS), batches, the
 // sampler's cuts or penalties (the host applies those).
 
 #include <cuda_fp16.h>
@@ -1491,6 +1493,63 @@ extern "C" __global__ void add_norm(float* x, const float* h, const float* w, in
 }
 
 // One layer's KV cache for this step: (kv_heads, capacity, d) keys and values in cache_fmt.
+// A prompt's quantized matrices, dequantized to f16 for cuBLAS (`cuda_decode::dequantize_f16`):
+// the values candle's CPU dequantization gives (the same products in the same order, no fused
+// multiply-adds), rounded to f16. These are copies at HBM speed, so a warp takes one block of 256
+// values and each lane stores 8 consecutive values as one 16-byte word: a warp's store is 512
+// contiguous bytes (candle's own kernels store one half at a time).
+__device__ __forceinline__ uint32_t half2_bits(float a, float b) {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// Q4_K (144-byte blocks, see `dot_q4_k`): lane 8j + 4h + p stores values 64j + 32h + 8p.. of the
+// block, the low (h = 0) or high nibbles of nibble bytes 32j + 8p.. (sub-block 2j + h).
+extern "C" __global__ void __launch_bounds__(256) dequant_q4_k_f16(const uint8_t* __restrict__ w, __half* __restrict__ out, long long blocks) {
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= blocks * 32) return;
+    long long b = t >> 5;
+    int lane = t & 31, j = lane >> 3, h = (lane >> 2) & 1, p = lane & 3;
+    const uint8_t* blk = w + b * 144;
+    float2 dm = __half22float2(*reinterpret_cast<const __half2*>(blk));
+    uint32_t sc[3] = {*reinterpret_cast<const uint32_t*>(blk + 4), *reinterpret_cast<const uint32_t*>(blk + 8), *reinterpret_cast<const uint32_t*>(blk + 12)};
+    float s, m;
+    scale_min_k4(2 * j + h, sc, &s, &m);
+    float d = dm.x * s, n = dm.y * m;
+    uint2 q = *reinterpret_cast<const uint2*>(blk + 16 + 32 * j + 8 * p);
+    uint32_t qw[2] = {q.x >> (4 * h), q.y >> (4 * h)}, y[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        uint32_t word = qw[i >> 1] >> (16 * (i & 1));
+        y[i] = half2_bits(__fsub_rn(__fmul_rn(d, (float)(word & 0xF)), n), __fsub_rn(__fmul_rn(d, (float)((word >> 8) & 0xF)), n));
+    }
+    *reinterpret_cast<uint4*>(out + b * 256 + 8 * lane) = make_uint4(y[0], y[1], y[2], y[3]);
+}
+
+// Q6_K (210-byte blocks: 128 bytes of low nibbles `ql`, 64 of high bit pairs `qh`, 16 int8
+// scales, f16 d; only 2-byte aligned): lane 16n + 4k + p stores values 128n + 32k + 8p.. of the
+// block, the low (k < 2) or high nibbles of ql bytes 64n + 32 (k & 1) + 8p.. with bit pair k of qh
+// bytes 32n + 8p.., under scale 8n + 2k + p / 2.
+extern "C" __global__ void __launch_bounds__(256) dequant_q6_k_f16(const uint8_t* __restrict__ w, __half* __restrict__ out, long long blocks) {
+    long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= blocks * 32) return;
+    long long b = t >> 5;
+    int lane = t & 31, n = lane >> 4, k = (lane >> 2) & 3, p = lane & 3;
+    const uint8_t* blk = w + b * 210;
+    const uint8_t* ql = blk + 64 * n + 32 * (k & 1) + 8 * p;
+    const uint8_t* qh = blk + 128 + 32 * n + 8 * p;
+    float ds = __half2float(*reinterpret_cast<const __half*>(blk + 208)) * (float)reinterpret_cast<const int8_t*>(blk)[192 + 8 * n + 2 * k + p / 2];
+    uint32_t lo[2] = {load_u16x2(ql) >> (4 * (k >> 1)), load_u16x2(ql + 4) >> (4 * (k >> 1))};
+    uint32_t hi[2] = {load_u16x2(qh) >> (2 * k), load_u16x2(qh + 4) >> (2 * k)}, y[4];
+    auto value = [&](int i) {
+        uint32_t l = lo[i >> 2] >> (8 * (i & 3)), hb = hi[i >> 2] >> (8 * (i & 3));
+        return __fmul_rn(ds, (float)((int)((l & 0xF) | ((hb & 3) << 4)) - 32));
+    };
+#pragma unroll
+    for (int i = 0; i < 4; i++) y[i] = half2_bits(value(2 * i), value(2 * i + 1));
+    *reinterpret_cast<uint4*>(out + b * 256 + 8 * lane) = make_uint4(y[0], y[1], y[2], y[3]);
+}
+
 struct KvSlot {
     void* k;
     void* v;

@@ -40,9 +40,13 @@ impl RmsNorm {
 
 /// Token rows from which a quantized matrix on a GPU multiplies its input dequantized to f16 by
 /// cuBLAS rather than through candle's MMQ kernels (0: never); `usize::MAX` until first read
-/// from `SHOAL_DEQUANT_PROMPT`. Default 512: on one H100, Q4_K_M prompts of 512 tokens ran 27%
-/// (7B) and 19% (1.5B) faster that way, 1,024 tokens 39% and 25%; at 256 the 7B gained 4% and
-/// the 1.5B lost 16%.
+/// from `SHOAL_DEQUANT_PROMPT`. Default 128. With candle's dequantization (one H100, earlier
+/// sessions) Q4_K_M prompts of 512 tokens ran 27% (7B) and 19% (1.5B) faster this way than
+/// through MMQ, and at 256 the 7B gained 4% and the 1.5B lost 16%. With decode.cu's, into a
+/// reused scratch (`cuda_decode::with_dequantized_f16`; one H200, session 45, medians of 3):
+/// 7B 128 tokens +32% (5,471 -> 7,229 tok/s), 256 +61% (6,985 -> 11,270), 512 +70% (7,740 ->
+/// 13,127); 1.5B 128 -0.8% (8,925 -> 8,852), 256 unchanged (15,726 -> 15,714), 512 +45% (20,319 ->
+/// 29,395).
 static DEQUANT_PROMPT_FROM: AtomicUsize = AtomicUsize::new(usize::MAX);
 
 /// Sets that bound for this process (`device_check prompt` compares both paths).
@@ -53,11 +57,32 @@ pub fn set_dequantize_prompt_from(token_rows: usize) {
 fn dequantize_for(x: &Tensor) -> bool {
     let mut from = DEQUANT_PROMPT_FROM.load(Ordering::Relaxed);
     if from == usize::MAX {
-        from = std::env::var("SHOAL_DEQUANT_PROMPT").ok().and_then(|v| v.parse().ok()).unwrap_or(512);
+        from = std::env::var("SHOAL_DEQUANT_PROMPT").ok().and_then(|v| v.parse().ok()).unwrap_or(128);
         DEQUANT_PROMPT_FROM.store(from, Ordering::Relaxed);
     }
     let token_rows: usize = x.dims().iter().rev().skip(1).product();
     from > 0 && x.device().is_cuda() && token_rows >= from
+}
+
+/// `x` times a quantized matrix dequantized to f16, by cuBLAS (candle's `forward_via_f16`, with
+/// decode.cu's dequantization where it covers the format: Q4_K and Q6_K).
+#[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
+fn forward_dequantized(w: &candle_core::quantized::QMatMul, q: &candle_core::quantized::QTensor, x: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    {
+        let multiply = |dense: &Tensor| -> Result<Tensor> {
+            let dense = match *x.dims() {
+                [b1, b2, _, _] => dense.broadcast_left((b1, b2))?.t()?,
+                [b, _, _] => dense.broadcast_left(b)?.t()?,
+                _ => dense.t()?,
+            };
+            Ok(x.to_dtype(DType::F16)?.matmul(&dense)?.to_dtype(x.dtype())?)
+        };
+        if let Some(y) = super::cuda_decode::with_dequantized_f16(q, multiply)? {
+            return Ok(y);
+        }
+    }
+    Ok(w.forward_via_f16(x)?)
 }
 
 /// A linear layer with an optional bias.
@@ -97,11 +122,11 @@ impl Linear {
         let y = match &self.weight {
             Matrix::Packed(w) => x.contiguous()?.apply_op1_no_bwd(&QMatMulOp { weight: w.clone() })?,
             Matrix::Candle(w @ candle_core::quantized::QMatMul::QTensor(q)) if dequantize_for(x) => {
-                // A long prompt on a GPU: the matrix dequantized to f16 (a transient copy, freed
-                // when this returns) and multiplied by cuBLAS, rather than candle's MMQ kernels;
-                // those still take it where that fails (a format candle cannot dequantize to
-                // f16 there, or no GPU memory left for the copy).
-                match w.forward_via_f16(x) {
+                // A prompt on a GPU: the matrix dequantized to f16 (Q4_K and Q6_K into the
+                // device's reused scratch, others into a transient copy) and multiplied by
+                // cuBLAS, rather than candle's MMQ kernels; those still take it where that fails
+                // (a format candle cannot dequantize to f16 there, or no GPU memory left).
+                match forward_dequantized(w, q, x) {
                     Ok(y) => y,
                     Err(e) => {
                         tracing::debug!(error = %e, dtype = ?q.dtype(), "dequantized prompt matmul failed; using MMQ");
