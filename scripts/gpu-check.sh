@@ -10,7 +10,8 @@
 #                                   sequences decoded turn about equal each decoded alone; a
 #                                   600-token Q4_K_M prompt dequantized to f16 is at least as
 #                                   close to f32 as candle's MMQ kernels; the
-#                                   GPU's sampling (temperature, top-k, top-p, min-p) agrees with the CPU sampler
+#                                   GPU's sampling (temperature, top-k, top-p, min-p) agrees with the CPU sampler;
+#                                   Q4_K / Q6_K matrices dequantized on the GPU equal the CPU's
 #   scripts/gpu-check.sh bench [SHAPE...]   shoal bench (f16, Q4_K_M) vs transformers f16 on the
 #                                   same GPU, one run, printed as a table; shapes q15 (Qwen2.5-1.5B),
 #                                   q7 (Qwen2.5-7B; these two by default), q05 (0.5B), q3 (3B), l8
@@ -72,6 +73,8 @@ fidelity() {
   "$CHECK" fixtures "$here/tests/fixtures" --device cuda || fail=1
   [[ ${1:-} == fixtures ]] && return
   "$CHECK" sample --device cuda || fail=1
+  # Prompts' Q4_K and Q6_K matrices dequantized on the GPU equal the CPU's dequantization.
+  "$CHECK" dequant --device cuda || fail=1
   shape q15 || { echo "FAIL making the 1.5B model"; fail=1; return; }
   "$CHECK" same "$WORK/q15-f16" --device cuda --tokens 16 || fail=1
   # Not the Q4_K_M GGUF: its free-running greedy tokens part from the CPU's at the first near-tie

@@ -6,8 +6,10 @@
 //! position and the KV buffers' addresses are read from device memory, written before each step,
 //! and a first shard's token is embedded by the step's first kernel (no lookup outside the graph).
 //! Also the sampler's CUDA side: a temperature draw or top-k / top-p / min-p candidates computed
-//! where the logits are, and page-locked copies of whole rows.
-//! What it does not do: prompts (t > 1 stay on candle and cuBLAS), tensor-parallel slices, or
+//! where the logits are, and page-locked copies of whole rows; and for prompts, Q4_K / Q6_K
+//! matrices dequantized to f16 for cuBLAS (`with_dequantized_f16`).
+//! What it does not do: prompts' products and attention (t > 1 stay on candle and cuBLAS),
+//! tensor-parallel slices, or
 //! anything on the CPU. A shard whose weights or shapes these kernels do not cover says why at
 //! load and keeps candle's path.
 
