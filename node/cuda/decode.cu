@@ -1492,8 +1492,7 @@ extern "C" __global__ void add_norm(float* x, const float* h, const float* w, in
     for (int j = threadIdx.x; j < n; j += blockDim.x) x[j] += h[j] * rinv * w[j];
 }
 
-// One layer's KV cache for this step: (kv_heads, capacity, d) keys and values in cache_fmt.
-// A prompt's quantized matrices, dequantized to f16 for cuBLAS (`cuda_decode::dequantize_f16`):
+// A prompt's quantized matrices, dequantized to f16 for cuBLAS (`cuda_decode::with_dequantized_f16`):
 // the values candle's CPU dequantization gives (the same products in the same order, no fused
 // multiply-adds), rounded to f16. These are copies at HBM speed, so a warp takes one block of 256
 // values and each lane stores 8 consecutive values as one 16-byte word: a warp's store is 512
@@ -1538,7 +1537,7 @@ extern "C" __global__ void __launch_bounds__(256) dequant_q6_k_f16(const uint8_t
     const uint8_t* blk = w + b * 210;
     const uint8_t* ql = blk + 64 * n + 32 * (k & 1) + 8 * p;
     const uint8_t* qh = blk + 128 + 32 * n + 8 * p;
-    float ds = __half2float(*reinterpret_cast<const __half*>(blk + 208)) * (float)reinterpret_cast<const int8_t*>(blk)[192 + 8 * n + 2 * k + p / 2];
+    float ds = half_at(blk, 208) * (float)reinterpret_cast<const int8_t*>(blk)[192 + 8 * n + 2 * k + p / 2];
     uint32_t lo[2] = {load_u16x2(ql) >> (4 * (k >> 1)), load_u16x2(ql + 4) >> (4 * (k >> 1))};
     uint32_t hi[2] = {load_u16x2(qh) >> (2 * k), load_u16x2(qh + 4) >> (2 * k)}, y[4];
     auto value = [&](int i) {
@@ -1550,6 +1549,7 @@ extern "C" __global__ void __launch_bounds__(256) dequant_q6_k_f16(const uint8_t
     *reinterpret_cast<uint4*>(out + b * 256 + 8 * lane) = make_uint4(y[0], y[1], y[2], y[3]);
 }
 
+// One layer's KV cache for this step: (kv_heads, capacity, d) keys and values in cache_fmt.
 struct KvSlot {
     void* k;
     void* v;

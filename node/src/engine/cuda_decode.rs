@@ -452,7 +452,7 @@ static DEQUANT_SCRATCH: Mutex<Vec<(DeviceId, Tensor)>> = Mutex::new(Vec::new());
 /// only through work it queues on the device's stream before returning (candle's ops do): the
 /// next matrix overwrites it in stream order. One H200 (session 45): 0.051 ms for a 7B gate's
 /// Q4_K into the scratch against 0.176 for candle's kernel (one half stored at a time, and a new
-/// tensor); with a new tensor for each matrix, the 1.5B Q4_K_M's 256-token prompt ran about 30%
+/// tensor); with a new tensor for each matrix, the 1.5B Q4_K_M's 256-token prompt ran 24-30%
 /// slower than through MMQ, with the scratch as fast.
 pub fn with_dequantized_f16<R>(q: &QTensor, multiply: impl FnOnce(&Tensor) -> Result<R>) -> Result<Option<R>> {
     let name = match q.dtype() {
