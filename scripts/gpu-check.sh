@@ -178,8 +178,8 @@ swarm() {
   else
     ips=(127.0.0.1 127.0.0.1 127.0.0.1); echo "no network namespaces here: loopback with --peer"
   fi
-  # 3.55 GB placed (the tied embedding counts twice): no node holds it alone; the GPU gets
-  # all its 1.8 GB allows.
+  # 3.55 GB of weights placed (the tied embedding counts twice) and 0.24 GB of KV cache
+  # reserved (4,096 positions): no node holds it alone; the GPU gets all its 1.8 GB allows.
   local devices=(cuda cpu cpu) limits=(1.8GB 1.2GB 1.2GB) pids=() first=""
   for i in 0 1 2; do
     local args=(serve --data-dir "$WORK/node$i" --model "$m" --device "${devices[$i]}" --memory-limit "${limits[$i]}" --max-queue 4)

@@ -209,7 +209,9 @@ fn a_full_queue_answers_503_with_retry_after() {
 
 #[test]
 fn cluster_and_models_match_the_contract() {
-    let node = Node::start(&["serve", "--model", &gemma_path(), "--memory-limit", "500MB"]);
+    // ~430 MB of weights (the tied embedding counts twice) and, at a 1,024-token context, 38 MB of
+    // KV cache fit 500 MB; the 151 MB that 4,096 positions reserve would not.
+    let node = Node::start(&["serve", "--model", &gemma_path(), "--memory-limit", "500MB", "--context", "1024"]);
     let (status, c) = block_on(get(&node.url("/v1/cluster")));
     assert_eq!(status, 200);
     assert_eq!((c["self"].as_str(), c["leader"].as_str(), c["epoch"].as_u64()), (Some(node.id.as_str()), Some(node.id.as_str()), Some(1)));

@@ -209,7 +209,8 @@ fn mdns_swarm_in_namespaces_splits_a_model_survives_a_killed_stage_and_keeps_str
     }
     let key_arg = key.display().to_string();
 
-    // Node 1 may hold no layer; nodes 2 and 3 only half the model each (it needs ~430 MB).
+    // Node 1 may hold no layer; nodes 2 and 3 only half the model each (it needs ~430 MB, and
+    // 151 MB of KV cache reserved for 4,096 positions).
     let common = ["--model", gemma.as_str(), "--cluster-key", key_arg.as_str()];
     let limits = ["1MB", "300MB", "300MB"];
     let mut nodes: Vec<Node> = limits.iter().enumerate().map(|(i, l)| Node::start(&nets, i + 1, &[&common[..], &["--memory-limit", l]].concat())).collect();

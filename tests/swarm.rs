@@ -77,7 +77,8 @@ async fn start_node(name: &str, memory_offered: u64, peers: Vec<Multiaddr>, mode
     TestNode { handle, addr, cancel, _dir: dir }
 }
 
-/// Three 300 MB stage nodes (the model needs ~430 MB with its tied head on the last stage)
+/// Three 300 MB stage nodes (the model needs ~430 MB with its tied head on the last stage, and
+/// 151 MB of KV cache reserved for 4,096 positions)
 /// and a 1 MB entry node that can hold no layer; every node dials every earlier one.
 async fn start_swarm(model: &Path) -> Vec<TestNode> {
     let mut nodes: Vec<TestNode> = Vec::new();
@@ -130,7 +131,7 @@ fn pipeline_across_three_nodes_equals_one_node() {
     let (prompt, expected) = single_node_reference(&path, 16);
     runtime().block_on(async {
         let nodes = start_swarm(&path).await;
-        nodes[0].handle.serve_only(MODEL, path.clone()).await.expect("the entry node has the model file");
+        nodes[0].handle.serve_only(MODEL, path.clone(), None).await.expect("the entry node has the model file");
         let snap = agreed_pipeline(&nodes).await;
         let placement = snap.plan.as_ref().unwrap().placements[MODEL].clone().unwrap();
         assert_eq!(placement.strategy, Strategy::Pipeline);
@@ -165,7 +166,7 @@ fn a_middle_stage_lost_mid_stream_is_replaced_and_the_stream_continues() {
     let (prompt, expected) = single_node_reference(&path, 24);
     runtime().block_on(async {
         let nodes = start_swarm(&path).await;
-        nodes[0].handle.serve_only(MODEL, path.clone()).await.unwrap();
+        nodes[0].handle.serve_only(MODEL, path.clone(), None).await.unwrap();
         let snap = agreed_pipeline(&nodes).await;
         let placement = snap.plan.as_ref().unwrap().placements[MODEL].clone().unwrap();
         let middle = &placement.stages[1].node;

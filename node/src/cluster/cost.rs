@@ -91,7 +91,7 @@ fn group_time(m: &ModelFootprint, members: &[&Speed], layers: usize, head: bool,
 
 fn fits(m: &ModelFootprint, members: &[&Speed], layers: usize, first: bool, last: bool) -> bool {
     let n = members.len().max(1) as u64;
-    let need = layers as u64 * m.bytes_per_layer / n + if first { m.embedding_bytes } else { 0 } + if last { m.head_bytes } else { 0 };
+    let need = layers as u64 * m.layer_memory() / n + if first { m.embedding_bytes } else { 0 } + if last { m.head_bytes } else { 0 };
     members.iter().all(|s| s.memory_offered >= need)
 }
 

@@ -2,7 +2,8 @@
 //! into stages. A single node when one can hold the model (the fastest such node), otherwise a
 //! memory-weighted pipeline: layers in proportion to offered memory, corrected by memory
 //! bandwidth, largest-remainder rounding, at least one layer per stage, never more than a
-//! node offers. Nodes far faster than the rest (a GPU beside CPUs) form a tier that is filled
+//! node offers: a layer counts its weights and its reserved KV cache, so a GPU filled by
+//! placement still has room for the cache its prompts grow. Nodes far faster than the rest (a GPU beside CPUs) form a tier that is filled
 //! first: every layer they hold runs many times faster. `place_all` places every wanted model over the members that hold its files,
 //! in name order, each model using only the memory the ones before it left. Pure: no I/O, no
 //! clocks; the same inputs give the same plan on every node.
@@ -24,6 +25,10 @@ pub struct ModelFootprint {
     /// Embedding table (first stage), final norm and LM head (last stage), in bytes.
     pub embedding_bytes: u64,
     pub head_bytes: u64,
+    /// Memory a layer's KV cache takes at the context the wanting node reserves for (see
+    /// `engine::cache::reserved_bytes`); counted as memory, never as bytes read per token.
+    #[serde(default)]
+    pub kv_bytes_per_layer: u64,
     /// How far the model splits tensor-parallel (see `tensor.rs`).
     #[serde(default)]
     pub tp: super::tensor::TpUnits,
@@ -33,8 +38,14 @@ pub struct ModelFootprint {
 }
 
 impl ModelFootprint {
+    /// Memory one layer takes while serving: its weights and its KV cache.
+    pub fn layer_memory(&self) -> u64 {
+        self.bytes_per_layer + self.kv_bytes_per_layer
+    }
+
+    /// Memory the whole model takes while serving.
     pub fn total_bytes(&self) -> u64 {
-        self.bytes_per_layer * self.layers as u64 + self.embedding_bytes + self.head_bytes
+        self.layer_memory() * self.layers as u64 + self.embedding_bytes + self.head_bytes
     }
 }
 
@@ -82,7 +93,7 @@ pub enum PlacementError {
     #[error("no node of the swarm has the files of {model}")]
     NoMembers { model: String },
     /// The members together offer too little memory.
-    #[error("{model} needs {needed} bytes but the swarm offers {offered} bytes; add a node or raise --memory-limit")]
+    #[error("{model} needs {needed} bytes (weights and KV cache) but the swarm offers {offered} bytes; add a node, raise --memory-limit or lower --context")]
     DoesNotFit { model: String, needed: u64, offered: u64 },
     /// The footprint is not placeable (zero layers).
     #[error("{model} has no layers to place")]
@@ -192,7 +203,7 @@ pub(super) fn pipeline(model: &ModelFootprint, nodes: &[&Capacity]) -> Result<Pl
         .enumerate()
         .map(|(i, c)| {
             let fixed = if i == 0 { model.embedding_bytes } else { 0 } + if i + 1 == order.len() { model.head_bytes } else { 0 };
-            (c.memory_offered.saturating_sub(fixed) / model.bytes_per_layer.max(1)) as usize
+            (c.memory_offered.saturating_sub(fixed) / model.layer_memory().max(1)) as usize
         })
         .collect();
     if capacity.iter().sum::<usize>() < model.layers {
@@ -212,7 +223,7 @@ pub(super) fn pipeline(model: &ModelFootprint, nodes: &[&Capacity]) -> Result<Pl
     let fits = stages.iter().enumerate().all(|(i, s)| {
         let cap = order.iter().find(|c| c.node == s.node).map(|c| c.memory_offered).unwrap_or(0);
         let fixed = if i == 0 { model.embedding_bytes } else { 0 } + if i + 1 == stages.len() { model.head_bytes } else { 0 };
-        (s.end - s.start) as u64 * model.bytes_per_layer + fixed <= cap
+        (s.end - s.start) as u64 * model.layer_memory() + fixed <= cap
     });
     if !fits {
         return Err(not_fit());
@@ -357,6 +368,28 @@ mod tests {
         // last stage) on the GPU predicts a faster token.
         let p = place(&m, &[cap("gpu", 4, 3000.0), cap("cpu1", 16, 50.0)]).unwrap();
         assert_eq!((p.strategy, n_of(&p, "gpu"), n_of(&p, "cpu1")), (Strategy::Pipeline, 7, 13), "{p:?}");
+    }
+
+    #[test]
+    fn the_reserved_kv_cache_counts_as_memory_so_a_filled_gpu_keeps_room_for_it() {
+        // As above (0.5 GB of weights a layer), each layer's cache reserving 0.25 GB more.
+        let m = ModelFootprint { kv_bytes_per_layer: (1 << 30) / 4, ..model(20, 5) };
+        let members = [cap("gpu", 4, 3000.0), cap("cpu1", 8, 50.0), cap("cpu2", 8, 50.0)];
+        let p = place(&m, &members).unwrap();
+        assert_eq!(n_of(&p, "gpu"), 5, "4 GB holds 5 layers with their caches, not 8: {p:?}");
+        let last = p.stages.len() - 1;
+        for (i, s) in p.stages.iter().enumerate() {
+            let fixed = if i == 0 { m.embedding_bytes } else { 0 } + if i == last { m.head_bytes } else { 0 };
+            let offered = members.iter().find(|c| c.node == s.node).unwrap().memory_offered;
+            assert!((s.end - s.start) as u64 * m.layer_memory() + fixed <= offered, "{p:?}");
+        }
+        // 11 GB of weights fit one 12 GB node; with 5 GB of caches they need two.
+        assert_eq!(place(&model(20, 5), &[cap("a", 12, 50.0), cap("b", 12, 50.0)]).unwrap().strategy, Strategy::Single);
+        assert_eq!(place(&m, &[cap("a", 12, 50.0), cap("b", 12, 50.0)]).unwrap().strategy, Strategy::Pipeline);
+        let err = place(&m, &[cap("a", 12, 50.0)]).unwrap_err();
+        assert_eq!(err, PlacementError::DoesNotFit { model: "m".into(), needed: 16 << 30, offered: 12 << 30 });
+        // The caches are memory, not bytes read per token: the predicted token time is the same.
+        assert_eq!(token_seconds(&m, &p, &members.iter().collect::<Vec<_>>()), token_seconds(&model(20, 5), &p, &members.iter().collect::<Vec<_>>()));
     }
 
     #[test]

@@ -84,7 +84,7 @@ fn share(tp: TpUnits, n: usize) -> f64 {
 /// Bytes one member of a group of `n` holds for `layers` layers (plus the embedding on the
 /// first stage, replicated on every member, and its rows of the head on the last).
 fn member_bytes(m: &ModelFootprint, n: usize, layers: usize, first: bool, last: bool) -> u64 {
-    (layers as f64 * m.bytes_per_layer as f64 * share(m.tp, n)).ceil() as u64 + if first { m.embedding_bytes } else { 0 } + if last { m.head_bytes.div_ceil(n.max(1) as u64) } else { 0 }
+    (layers as f64 * m.layer_memory() as f64 * share(m.tp, n)).ceil() as u64 + if first { m.embedding_bytes } else { 0 } + if last { m.head_bytes.div_ceil(n.max(1) as u64) } else { 0 }
 }
 
 /// Bytes each node holds under `p`.
@@ -262,7 +262,7 @@ mod tests {
 
     /// Qwen2.5-7B-like: 28 layers of 233 MB, 14 head groups, 74 MLP blocks.
     fn seven_b(strategy: Option<Strategy>) -> ModelFootprint {
-        ModelFootprint { model: "7b".into(), layers: 28, bytes_per_layer: 233 << 20, embedding_bytes: 545 << 20, head_bytes: 545 << 20, tp: TpUnits { heads: 14, ffn: 74 }, strategy }
+        ModelFootprint { model: "7b".into(), layers: 28, bytes_per_layer: 233 << 20, kv_bytes_per_layer: 0, embedding_bytes: 545 << 20, head_bytes: 545 << 20, tp: TpUnits { heads: 14, ffn: 74 }, strategy }
     }
 
     #[test]
@@ -316,7 +316,7 @@ mod tests {
         let two = [cap("a", 16, 20.0), cap("b", 16, 20.0)];
         let p = place_choice(&seven_b(None), &two, LinkCost::LAN).unwrap();
         assert_eq!(p.strategy, Strategy::Tensor, "{p:?}");
-        let tiny = ModelFootprint { model: "tiny".into(), layers: 4, bytes_per_layer: 1 << 20, embedding_bytes: 1 << 20, head_bytes: 1 << 20, tp: TpUnits { heads: 4, ffn: 4 }, strategy: None };
+        let tiny = ModelFootprint { model: "tiny".into(), layers: 4, bytes_per_layer: 1 << 20, kv_bytes_per_layer: 0, embedding_bytes: 1 << 20, head_bytes: 1 << 20, tp: TpUnits { heads: 4, ffn: 4 }, strategy: None };
         let p = place_choice(&tiny, &two, LinkCost::LAN).unwrap();
         assert_eq!(p.strategy, Strategy::Single, "all-reduces cost more than a tiny model's compute: {p:?}");
     }

@@ -8,6 +8,19 @@ use super::Result;
 
 const INITIAL_CAPACITY: usize = 256;
 
+/// Positions of KV cache that placement reserves memory for in every layer: Ollama's default
+/// context, which most chats stay within; a shorter context (the model's or `--context`) reserves
+/// less. Past it the cache still grows, into memory placement did not set aside.
+pub const RESERVED_POSITIONS: usize = 4096;
+
+/// Bytes one layer's cache takes once it holds `positions` positions: the buffers it grows to
+/// (doubling from `INITIAL_CAPACITY`), in f32, the width on a CPU and for quantized weights on
+/// a GPU (half-precision models keep half-precision caches on a GPU: half of this).
+pub fn reserved_bytes(kv_heads: usize, head_dim: usize, positions: usize) -> u64 {
+    let capacity = positions.max(1).next_power_of_two().max(INITIAL_CAPACITY);
+    (2 * kv_heads * capacity * head_dim * DType::F32.size_in_bytes()) as u64
+}
+
 /// Keys and values of one layer, laid out `(1, kv_heads, capacity, head_dim)`.
 #[derive(Debug, Default)]
 pub struct LayerCache {
@@ -103,5 +116,27 @@ impl ShardCache {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What placement reserves for a layer is what its cache really allocates for that many
+    /// positions, including the doubling past a power of two.
+    #[test]
+    fn reserved_bytes_equal_what_a_layer_allocates() {
+        let (kv_heads, head_dim) = (2, 16);
+        for positions in [1, 255, 256, 257, 600, 1024] {
+            let mut layer = LayerCache::default();
+            let step = Tensor::zeros((1, kv_heads, 1, head_dim), DType::F32, &Device::Cpu).unwrap();
+            for _ in 0..positions {
+                layer.append(&step, &step).unwrap();
+            }
+            let (k, v) = layer.buffers().unwrap();
+            let allocated = ((k.elem_count() + v.elem_count()) * DType::F32.size_in_bytes()) as u64;
+            assert_eq!(reserved_bytes(kv_heads, head_dim, positions), allocated, "{positions} positions");
+        }
     }
 }

@@ -79,6 +79,13 @@ impl ModelSource {
         (per_layer, embedding, head)
     }
 
+    /// Memory each layer's KV cache takes at the positions placement reserves for this model
+    /// served with `context_limit` (`cache::RESERVED_POSITIONS` at most).
+    pub fn kv_reserve_per_layer(&self, context_limit: Option<usize>) -> u64 {
+        let positions = self.spec.context_length.min(context_limit.unwrap_or(usize::MAX)).min(super::cache::RESERVED_POSITIONS);
+        super::cache::reserved_bytes(self.spec.num_kv_heads, self.spec.head_dim, positions)
+    }
+
     /// The model's id, by the one rule in `models::id` (the directory's whole name, or the
     /// file stem of a loose GGUF).
     pub fn name(&self) -> String {

@@ -6,7 +6,7 @@ use super::*;
 fn advert(id: &PeerId, other: &PeerId) -> NodeAdvert {
     let me = id.to_string();
     let you = other.to_string();
-    let footprint = ModelFootprint { model: "qwen".into(), layers: 28, bytes_per_layer: 1 << 20, embedding_bytes: 5, head_bytes: 6, ..Default::default() };
+    let footprint = ModelFootprint { model: "qwen".into(), layers: 28, bytes_per_layer: 1 << 20, kv_bytes_per_layer: 1 << 23, embedding_bytes: 5, head_bytes: 6, ..Default::default() };
     let placement = Placement {
         strategy: Strategy::Pipeline,
         stages: vec![Stage { node: me.clone(), start: 0, end: 10, group: vec![] }, Stage { node: you.clone(), start: 10, end: 28, group: vec![] }],
@@ -132,6 +132,9 @@ fn absurd_plans_and_footprints_are_refused() {
     let mut p = base.clone();
     p.wants[0].bytes_per_layer = u64::MAX;
     assert!(matches!(advert_from_proto(p, &me), Err(WireError::OutOfRange { .. })), "total_bytes would overflow");
+    let mut p = base.clone();
+    p.wants[0].kv_bytes_per_layer = u64::MAX / 28;
+    assert!(matches!(advert_from_proto(p, &me), Err(WireError::OutOfRange { .. })), "the KV cache counts towards total_bytes too");
     let mut p = base.clone();
     p.wants[0].layers = MAX_LAYERS + 1;
     assert!(matches!(advert_from_proto(p, &me), Err(WireError::BadLayers { .. })));

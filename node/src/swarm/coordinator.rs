@@ -113,12 +113,13 @@ impl SwarmHandle {
 
     /// Makes `model` (files at `path` on this node) the one model this node asks the swarm to
     /// place, letting go of any other it asked for; also advertises that we hold its files.
+    /// `context_limit` (this node's `--context`) bounds the KV cache placement reserves for it.
     /// Reading the model's header to size it happens here, on the blocking pool, never in the
     /// coordinator's loop.
-    pub async fn serve_only(&self, model: &str, path: PathBuf) -> Result<(), SwarmError> {
+    pub async fn serve_only(&self, model: &str, path: PathBuf, context_limit: Option<usize>) -> Result<(), SwarmError> {
         let footprint = {
             let (id, path) = (model.to_string(), path.clone());
-            tokio::task::spawn_blocking(move || footprint(&id, &path)).await.map_err(|e| SwarmError::Model { model: model.to_string(), reason: e.to_string() })??
+            tokio::task::spawn_blocking(move || footprint(&id, &path, context_limit)).await.map_err(|e| SwarmError::Model { model: model.to_string(), reason: e.to_string() })??
         };
         self.commands.send(Command::ServeOnly { path, footprint }).await.map_err(|_| SwarmError::ShutDown)?;
         Ok(())
@@ -392,13 +393,15 @@ impl Coordinator {
     }
 }
 
-/// What placing `model` (files at `path`) takes, read from its header.
-fn footprint(model: &str, path: &std::path::Path) -> Result<ModelFootprint, SwarmError> {
+/// What placing `model` (files at `path`) takes, read from its header, with the KV cache it
+/// reserves when served with `context_limit`.
+fn footprint(model: &str, path: &std::path::Path, context_limit: Option<usize>) -> Result<ModelFootprint, SwarmError> {
     let source = ModelSource::open(path).map_err(|e| SwarmError::Model { model: model.to_string(), reason: e.to_string() })?;
     let (bytes_per_layer, embedding_bytes, head_bytes) = source.footprint_bytes();
+    let kv_bytes_per_layer = source.kv_reserve_per_layer(context_limit);
     // A model whose header does not say how it splits is placed only whole or by layers.
     let (heads, ffn) = TpShape::of(&source.weights, &source.spec).map(|s| s.units()).unwrap_or((0, 0));
-    Ok(ModelFootprint { model: model.to_string(), layers: source.spec.num_layers, bytes_per_layer, embedding_bytes, head_bytes, tp: TpUnits { heads, ffn }, strategy: None })
+    Ok(ModelFootprint { model: model.to_string(), layers: source.spec.num_layers, bytes_per_layer, kv_bytes_per_layer, embedding_bytes, head_bytes, tp: TpUnits { heads, ffn }, strategy: None })
 }
 
 pub(super) fn peer_of(node: &str) -> Option<PeerId> {

@@ -323,7 +323,7 @@ async fn prepare(swarm: &SwarmHandle, model: &LocalModel, context_limit: Option<
     .map_err(|e| load_error(e.to_string()))?
     .map_err(|e| load_error(e.to_string()))?;
     let (layers, context, text) = opened;
-    swarm.serve_only(&model.id, model.path.clone()).await.map_err(|e| load_error(e.to_string()))?;
+    swarm.serve_only(&model.id, model.path.clone(), context_limit).await.map_err(|e| load_error(e.to_string()))?;
     // Wait for a plan that places the model and for our own stage of it to load.
     let started = Instant::now();
     loop {
