@@ -1,9 +1,11 @@
 //! Sharding: every two-way split point and a three-way split, run in sequence on the hidden
-//! states, give the unsharded model's logits (within 1e-5) and greedy tokens.
+//! states, give the unsharded model's logits (within 1e-5) and greedy tokens; a prompt longer
+//! than one prefill chunk gives, at every position, the logits of its tokens fed one at a time.
 
 use candle_core::Device;
 use shoal::engine::model::ModelSource;
 use shoal::engine::sampler::argmax;
+use shoal::engine::shard::PREFILL_CHUNK;
 use shoal::engine::{LayerRange, Shard, ShardInput, ShardOutput};
 
 use crate::util::{fixture, max_abs_diff, reference};
@@ -88,4 +90,48 @@ fn middle_shard_rejects_tokens_and_first_rejects_hidden_states() {
     assert!(middle.forward(ShardInput::Hidden(bad), &mut cache, false).is_err(), "wrong hidden size is refused");
     assert!(source.load_shard(LayerRange::new(2, 9), &Device::Cpu).is_err(), "a range past the last layer is refused");
     assert!(source.load_shard(LayerRange::new(2, 2), &Device::Cpu).is_err(), "an empty range is refused");
+}
+
+/// A prompt of a little over two chunks, run at once (in chunks), against the same tokens fed
+/// one at a time: every position's logits, whole and split into two shards (the first passing
+/// every position's hidden state on), and the cache ends at the prompt's length.
+fn check_long_prompt(name: &str) {
+    let mut source = ModelSource::open(&fixture(name)).expect("fixture opens");
+    let t = 2 * PREFILL_CHUNK + 77;
+    source.spec.context_length = source.spec.context_length.max(t + 1);
+    let vocab = source.spec.vocab_size;
+    let prompt: Vec<u32> = (0..t).map(|i| ((i * 7919 + 13) % vocab) as u32).collect();
+    let layers = source.spec.num_layers;
+    let load = |s: usize, e: usize| source.load_shard(LayerRange::new(s, e), &Device::Cpu).expect("shard loads");
+    let whole = load(0, layers);
+    let logits = |out: ShardOutput| match out {
+        ShardOutput::Logits(l) => l.to_vec2::<f32>().expect("(rows, vocab)"),
+        ShardOutput::Hidden(_) => panic!("the last shard returns logits"),
+    };
+
+    let mut cache = whole.new_cache();
+    let stepwise: Vec<Vec<f32>> = prompt.iter().map(|id| logits(whole.forward(ShardInput::Tokens(&[*id]), &mut cache, false).expect("step")).remove(0)).collect();
+
+    let mut cache = whole.new_cache();
+    let at_once = logits(whole.forward(ShardInput::Tokens(&prompt), &mut cache, true).expect("prompt"));
+    assert_eq!((at_once.len(), cache.position()), (t, t));
+    for (pos, (a, b)) in at_once.iter().zip(&stepwise).enumerate() {
+        let d = max_abs_diff(a, b);
+        assert!(d <= 1e-4, "{name}: position {pos} of a {t}-token prompt differs by {d} from feeding it token by token");
+    }
+
+    let (first, last) = (load(0, layers / 2), load(layers / 2, layers));
+    let (mut c1, mut c2) = (first.new_cache(), last.new_cache());
+    let ShardOutput::Hidden(h) = first.forward(ShardInput::Tokens(&prompt), &mut c1, false).expect("first shard") else { panic!("the first shard returns hidden states") };
+    assert_eq!(h.dims(), [1, t, source.spec.hidden_size]);
+    let end = logits(last.forward(ShardInput::Hidden(h), &mut c2, false).expect("last shard"));
+    let d = max_abs_diff(&end[0], &stepwise[t - 1]);
+    assert!(end.len() == 1 && d <= 1e-4, "{name}: the split prompt's last logits differ by {d}");
+}
+
+#[test]
+fn a_prompt_longer_than_a_prefill_chunk_equals_it_fed_token_by_token() {
+    check_long_prompt("qwen2");
+    // Sliding-window layers (a window of 8) across the chunks' boundaries.
+    check_long_prompt("gemma3");
 }
