@@ -381,7 +381,7 @@ fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> 
         let (memory_total, memory_offered) = match device.gpu() {
             Some(g) => {
                 let free = device.gpu_memory_free().unwrap_or(g.memory_free);
-                (g.memory_total, config.memory_limit.map_or(free, |limit| limit.min(g.memory_total)))
+                (g.memory_total, shoal::engine::device::gpu_offer(free, g.memory_total, config.memory_limit))
             }
             None => shoal::api::node_view::offered_memory(config.memory_limit, 0),
         };
@@ -390,7 +390,8 @@ fn serve(args: ServeArgs, data_dir_flag: Option<PathBuf>) -> anyhow::Result<()> 
             name: node.name.clone(),
             priority: 0,
             memory_total,
-            // With --memory-limit the node offers all of it; without, what is free at start.
+            // With --memory-limit the node offers all of it; without, what is free at start (on a
+            // GPU, less `GPU_WORKSPACE`).
             memory_offered: if config.memory_limit.is_some() && device.gpu().is_none() { memory_total } else { memory_offered },
             mem_bandwidth: machine.mem_bandwidth,
             decode_bandwidth: machine.decode_bandwidth,

@@ -51,6 +51,19 @@ pub struct GpuInfo {
     pub memory_free: u64,
 }
 
+/// GPU memory a node keeps out of its offer when no `--memory-limit` says what to offer: room
+/// for a prompt chunk's transient tensors beside the weights and the KV cache placement reserves
+/// (attention's scores and softmax, the MLP's activations, the dequantize-then-GEMM scratch,
+/// cuBLAS's workspace): about 0.6 GB for a 7B model at a 4,096-token context by their shapes
+/// (arithmetic, not measured).
+pub const GPU_WORKSPACE: u64 = 1 << 30;
+
+/// What a GPU node offers: `limit` (at most the GPU's memory), else what is free now less
+/// `GPU_WORKSPACE`.
+pub fn gpu_offer(free: u64, total: u64, limit: Option<u64>) -> u64 {
+    limit.map_or(free.saturating_sub(GPU_WORKSPACE), |l| l.min(total))
+}
+
 impl ComputeDevice {
     pub fn cpu() -> Self {
         ComputeDevice { device: Device::Cpu, gpu: None }
@@ -137,6 +150,15 @@ pub fn compute_dtype(device: &Device, stored: DType) -> DType {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gpu_offers_its_limit_or_its_free_memory_less_the_workspace() {
+        let gb = 1u64 << 30;
+        assert_eq!(gpu_offer(70 * gb, 80 * gb, None), 69 * gb);
+        assert_eq!(gpu_offer(gb / 2, 80 * gb, None), 0, "a nearly full GPU offers nothing");
+        assert_eq!(gpu_offer(70 * gb, 80 * gb, Some(2 * gb)), 2 * gb, "a limit is what the operator offers");
+        assert_eq!(gpu_offer(70 * gb, 80 * gb, Some(100 * gb)), 80 * gb, "never more than the GPU has");
+    }
 
     #[test]
     fn device_names_parse_and_bad_ones_say_what_is_accepted() {
