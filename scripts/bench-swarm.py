@@ -110,8 +110,9 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--bin", default=os.path.join(os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")), "release", "shoal"))
-    # Memory limits that force 1, 2 and 3 stages for the default model (about 430 MB placed).
-    ap.add_argument("--limits", default=",|300MB,300MB|200MB,200MB,200MB")
+    # Memory limits that force 1, 2 and 3 stages for the default model (about 430 MB of weights
+    # and 151 MB of KV cache placed).
+    ap.add_argument("--limits", default=",|350MB,350MB|250MB,250MB,250MB")
     args = ap.parse_args()
     model_dir = subprocess.run([os.path.join(ROOT, "scripts/fetch-model.sh"), args.model], check=True, capture_output=True, text=True).stdout.strip()
     model = os.path.join(model_dir, "model.gguf")
