@@ -2,6 +2,7 @@
 //! The first shard owns the token embedding, the last the final norm and LM head; a shard
 //! loads only its own tensors. It turns tokens or hidden states into hidden states or logits
 //! and keeps no per-sequence state of its own (that lives in `ShardCache`).
+//! Long prompts run through its layers in chunks of at most `PREFILL_CHUNK` positions.
 //! A shard may also be one member's tensor-parallel slice of its layers (`tp::TpMember`):
 //! it then loads only its slices, and its layers all-reduce their partial sums with the group.
 
