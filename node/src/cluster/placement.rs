@@ -3,10 +3,11 @@
 //! memory-weighted pipeline: layers in proportion to offered memory, corrected by memory
 //! bandwidth, largest-remainder rounding, at least one layer per stage, never more than a
 //! node offers: a layer counts its weights and its reserved KV cache, so a GPU filled by
-//! placement still has room for the cache its prompts grow. Nodes far faster than the rest (a GPU beside CPUs) form a tier that is filled
-//! first: every layer they hold runs many times faster. `place_all` places every wanted model over the members that hold its files,
-//! in name order, each model using only the memory the ones before it left. Pure: no I/O, no
-//! clocks; the same inputs give the same plan on every node.
+//! placement still has room for the cache its prompts grow. Nodes far faster than the rest (a
+//! GPU beside CPUs) form a tier that is filled first: every layer they hold runs many times
+//! faster. `place_all` places every wanted model over the members that hold its files, in name
+//! order, each model using only the memory the ones before it left. Pure: no I/O, no clocks;
+//! the same inputs give the same plan on every node.
 
 use std::collections::BTreeMap;
 

@@ -17,8 +17,14 @@ pub const RESERVED_POSITIONS: usize = 4096;
 /// (doubling from `INITIAL_CAPACITY`), in f32, the width on a CPU and for quantized weights on
 /// a GPU (half-precision models keep half-precision caches on a GPU: half of this).
 pub fn reserved_bytes(kv_heads: usize, head_dim: usize, positions: usize) -> u64 {
-    let capacity = positions.max(1).next_power_of_two().max(INITIAL_CAPACITY);
-    (2 * kv_heads * capacity * head_dim * DType::F32.size_in_bytes()) as u64
+    (2 * kv_heads * capacity_for(positions) * head_dim * DType::F32.size_in_bytes()) as u64
+}
+
+/// Positions a layer's buffers hold once they have room for `needed`: `INITIAL_CAPACITY`
+/// doubled as often as it takes (every capacity is a power of two, so growing from any smaller
+/// one lands here too).
+fn capacity_for(needed: usize) -> usize {
+    needed.max(1).next_power_of_two().max(INITIAL_CAPACITY)
 }
 
 /// Keys and values of one layer, laid out `(1, kv_heads, capacity, head_dim)`.
@@ -55,11 +61,7 @@ impl LayerCache {
     pub fn reserve(&mut self, needed: usize, kv_heads: usize, head_dim: usize, dtype: DType, device: &Device) -> Result<(&Tensor, &Tensor)> {
         let capacity = self.k.as_ref().map(|b| b.dim(2)).transpose()?.unwrap_or(0);
         if needed > capacity {
-            let mut new_cap = capacity.max(INITIAL_CAPACITY);
-            while new_cap < needed {
-                new_cap *= 2;
-            }
-            let shape = (1, kv_heads, new_cap, head_dim);
+            let shape = (1, kv_heads, capacity_for(needed), head_dim);
             self.k = Some(grow(self.k.take(), shape, dtype, device, self.len)?);
             self.v = Some(grow(self.v.take(), shape, dtype, device, self.len)?);
         }
