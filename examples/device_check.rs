@@ -325,6 +325,15 @@ fn main() -> anyhow::Result<()> {
                 );
                 failures += usize::from(!ok);
             }
+            // The scratch (as large as that matrix in f16) goes back when no model needs it.
+            device.synchronize()?;
+            let before = device.gpu_memory_free().context("no GPU memory figure")?;
+            shoal::engine::cuda_decode::release_dequant_scratch();
+            device.synchronize()?;
+            let freed = device.gpu_memory_free().context("no GPU memory figure")?.saturating_sub(before);
+            let ok = freed >= (rows * cols * 2) as u64;
+            println!("{} dequant scratch released: {:.1} MB freed for a {:.1} MB scratch", if ok { "PASS" } else { "FAIL" }, freed as f64 / 1e6, (rows * cols * 2) as f64 / 1e6);
+            failures += usize::from(!ok);
         }
         (Some("interleave"), Some(model)) => {
             let n: usize = flag(&args, "--tokens").map(|t| t.parse()).transpose()?.unwrap_or(64);

@@ -178,9 +178,12 @@ swarm() {
   else
     ips=(127.0.0.1 127.0.0.1 127.0.0.1); echo "no network namespaces here: loopback with --peer"
   fi
-  # 3.55 GB of weights placed (the tied embedding counts twice) and 0.24 GB of KV cache
-  # reserved (4,096 positions): no node holds it alone; the GPU gets all its 1.8 GB allows.
-  local devices=(cuda cpu cpu) limits=(1.8GB 1.2GB 1.2GB) pids=() first=""
+  # 3.55 GB of f16 weights as stored (the tied embedding counts twice) and a KV cache reserved
+  # for 4,096 positions: a layer takes 97.8 MB on the GPU (f16, its cache at half width) and
+  # 195.6 MB on a CPU (widened to f32), the embedding and the head 0.47 GB each on the GPU and
+  # 0.93 GB on a CPU. No node holds it alone (3.67 GB on the GPU, 7.3 on a CPU); the GPU, first
+  # as the node with the most memory, gets all the 21 layers its 2.6 GB allow.
+  local devices=(cuda cpu cpu) limits=(2.6GB 2.0GB 2.0GB) pids=() first=""
   for i in 0 1 2; do
     local args=(serve --data-dir "$WORK/node$i" --model "$m" --device "${devices[$i]}" --memory-limit "${limits[$i]}" --max-queue 4)
     rm -rf "$WORK/node$i"

@@ -106,8 +106,8 @@ pub fn run(args: TpMemberArgs) -> anyhow::Result<()> {
         Shard::load_tp(&source.weights, &source.spec, range, &Device::Cpu, Some(member))?
     };
     let (bytes_per_layer, embedding_bytes, head_bytes) = source.footprint_bytes();
-    let footprint = ModelFootprint { model: source.name(), layers: source.spec.num_layers, bytes_per_layer, embedding_bytes, head_bytes, ..Default::default() };
-    let speed = cost::Speed { node: String::new(), mem_bandwidth: mem_bw.min(decode_bw), flops: f64::MAX, memory_offered: u64::MAX };
+    let footprint = ModelFootprint { model: source.name(), layers: source.spec.num_layers, bytes_per_layer, embedding_bytes, head_bytes, dense_half: source.weights.dense_half(), ..Default::default() };
+    let speed = cost::Speed { node: String::new(), mem_bandwidth: mem_bw.min(decode_bw), flops: f64::MAX, memory_offered: u64::MAX, gpu: false };
     let speeds: Vec<&cost::Speed> = (0..args.size).map(|_| &speed).collect();
     let link = cost::LinkCost { rtt_s, bytes_per_s: 5e9 };
     let predicted_tok_s = cost::predict_stages(&footprint, &[(speeds, source.spec.num_layers)], link).0;

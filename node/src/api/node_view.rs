@@ -182,7 +182,7 @@ pub async fn cluster(State(app): State<Arc<App>>) -> Json<Value> {
     let links: Vec<Value> = snapshot.rtt_ms.iter().map(|(peer, rtt)| json!({"from": me, "to": peer, "rtt_ms": rtt})).collect();
     let epoch = snapshot.plan.as_ref().map_or(0, |p| p.epoch.round);
     // The cost model's inputs: measured speeds from adverts, our median ping RTT to peers.
-    let speeds: Vec<cost::Speed> = snapshot.members.iter().map(|m| cost::Speed { node: m.id.clone(), mem_bandwidth: m.decode_rate(), flops: m.flops, memory_offered: m.memory_offered }).collect();
+    let speeds: Vec<cost::Speed> = snapshot.members.iter().map(|m| cost::Speed { node: m.id.clone(), mem_bandwidth: m.decode_rate(), flops: m.flops, memory_offered: m.memory_offered, gpu: m.gpu.is_some() }).collect();
     let mut rtts: Vec<f64> = snapshot.rtt_ms.values().copied().collect();
     rtts.sort_by(f64::total_cmp);
     let link = rtts.get(rtts.len() / 2).map_or(cost::LinkCost::LAN, |ms| cost::LinkCost { rtt_s: ms / 1e3, ..cost::LinkCost::LAN });

@@ -31,6 +31,8 @@ pub struct Speed {
     pub mem_bandwidth: f64,
     pub flops: f64,
     pub memory_offered: u64,
+    /// Whether the member computes on a GPU (what it holds and reads depends on it).
+    pub gpu: bool,
 }
 
 /// One strategy's prediction.
@@ -82,8 +84,11 @@ fn group_time(m: &ModelFootprint, members: &[&Speed], layers: usize, head: bool,
     // The LM head is split by vocabulary rows and its logits gathered by one all-reduce of
     // vocab × 4 bytes (vocabulary estimated from the head's bytes at ~1.8 weights a byte).
     let hidden = hidden_estimate(m.bytes_per_layer) as f64;
-    let slice = (layers as f64 * m.bytes_per_layer as f64 + if head { m.head_bytes as f64 } else { 0.0 }) / n as f64;
-    let compute = members.iter().map(|s| node_time(slice, s)).fold(0.0, f64::max);
+    let slice = |s: &Speed| {
+        let held = m.held_on(s.gpu);
+        (layers as f64 * held.bytes_per_layer as f64 + if head { held.head_bytes as f64 } else { 0.0 }) / n as f64
+    };
+    let compute = members.iter().map(|s| node_time(slice(s), s)).fold(0.0, f64::max);
     let (ar, sent) = all_reduce_cost(n, hidden * 4.0, link);
     let (gather, gathered) = if head && n > 1 { all_reduce_cost(n, m.head_bytes as f64 * 1.8 / hidden * 4.0, link) } else { (0.0, 0.0) };
     (compute + 2.0 * layers as f64 * ar + gather, 2.0 * layers as f64 * sent + gathered)
@@ -91,8 +96,10 @@ fn group_time(m: &ModelFootprint, members: &[&Speed], layers: usize, head: bool,
 
 fn fits(m: &ModelFootprint, members: &[&Speed], layers: usize, first: bool, last: bool) -> bool {
     let n = members.len().max(1) as u64;
-    let need = layers as u64 * m.layer_memory() / n + if first { m.embedding_bytes } else { 0 } + if last { m.head_bytes } else { 0 };
-    members.iter().all(|s| s.memory_offered >= need)
+    members.iter().all(|s| {
+        let held = m.held_on(s.gpu);
+        s.memory_offered >= layers as u64 * held.layer_memory() / n + if first { held.embedding_bytes } else { 0 } + if last { held.head_bytes } else { 0 }
+    })
 }
 
 /// Pipeline over `stages` (each a tensor group of one or more members with its layer count).
@@ -148,7 +155,7 @@ mod tests {
     use super::*;
 
     fn speed(node: &str, gbs: f64) -> Speed {
-        Speed { node: node.into(), mem_bandwidth: gbs * 1e9, flops: 1e12, memory_offered: 64 << 30 }
+        Speed { node: node.into(), mem_bandwidth: gbs * 1e9, flops: 1e12, memory_offered: 64 << 30, gpu: false }
     }
 
     fn seven_b() -> ModelFootprint {

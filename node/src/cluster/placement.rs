@@ -30,6 +30,10 @@ pub struct ModelFootprint {
     /// `engine::cache::reserved_bytes`); counted as memory, never as bytes read per token.
     #[serde(default)]
     pub kv_bytes_per_layer: u64,
+    /// Dense half-precision weights (an f16/bf16 checkpoint): a CPU widens them to f32, a GPU
+    /// keeps them and their KV cache at half width (see `held_on`).
+    #[serde(default)]
+    pub dense_half: bool,
     /// How far the model splits tensor-parallel (see `tensor.rs`).
     #[serde(default)]
     pub tp: super::tensor::TpUnits,
@@ -39,14 +43,39 @@ pub struct ModelFootprint {
 }
 
 impl ModelFootprint {
+    /// What a node holds of the model, by the device it computes on (`engine::device::
+    /// compute_dtype`): the bytes as stored and the KV cache in f32, except that a CPU widens
+    /// dense half-precision weights to f32 (twice their bytes) and a GPU keeps such a model's
+    /// KV cache at half width (half the f32 reserve).
+    pub fn held_on(&self, gpu: bool) -> Held {
+        let held = Held { bytes_per_layer: self.bytes_per_layer, kv_bytes_per_layer: self.kv_bytes_per_layer, embedding_bytes: self.embedding_bytes, head_bytes: self.head_bytes };
+        match (self.dense_half, gpu) {
+            (false, _) => held,
+            (true, true) => Held { kv_bytes_per_layer: self.kv_bytes_per_layer / 2, ..held },
+            (true, false) => Held { bytes_per_layer: 2 * self.bytes_per_layer, embedding_bytes: 2 * self.embedding_bytes, head_bytes: 2 * self.head_bytes, ..held },
+        }
+    }
+
+    /// Memory the whole model takes on one node of the kind given.
+    pub fn total_bytes_on(&self, gpu: bool) -> u64 {
+        self.held_on(gpu).layer_memory() * self.layers as u64 + self.held_on(gpu).embedding_bytes + self.held_on(gpu).head_bytes
+    }
+}
+
+/// A model's bytes as one kind of node holds them (`ModelFootprint::held_on`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Held {
+    /// Weights a layer reads per token.
+    pub bytes_per_layer: u64,
+    pub kv_bytes_per_layer: u64,
+    pub embedding_bytes: u64,
+    pub head_bytes: u64,
+}
+
+impl Held {
     /// Memory one layer takes while serving: its weights and its KV cache.
     pub fn layer_memory(&self) -> u64 {
         self.bytes_per_layer + self.kv_bytes_per_layer
-    }
-
-    /// Memory the whole model takes while serving.
-    pub fn total_bytes(&self) -> u64 {
-        self.layer_memory() * self.layers as u64 + self.embedding_bytes + self.head_bytes
     }
 }
 
@@ -57,6 +86,9 @@ pub struct Capacity {
     pub memory_offered: u64,
     /// Measured memory read bandwidth in bytes/s (decode speed is bound by it).
     pub mem_bandwidth: f64,
+    /// Whether the node computes on a GPU (what it holds of a model depends on it).
+    #[serde(default)]
+    pub gpu: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -117,11 +149,11 @@ pub fn place_all(members: &[&NodeAdvert], link: LinkCost) -> BTreeMap<String, Re
         let holders: Vec<Capacity> = members
             .iter()
             .filter(|a| a.models.iter().any(|m| m == name))
-            .map(|a| Capacity { node: a.id.clone(), memory_offered: left[a.id.as_str()], mem_bandwidth: a.decode_rate() })
+            .map(|a| Capacity { node: a.id.clone(), memory_offered: left[a.id.as_str()], mem_bandwidth: a.decode_rate(), gpu: a.gpu.is_some() })
             .collect();
         let placed = super::tensor::place_choice(footprint, &holders, link);
         if let Ok(p) = &placed {
-            for (node, used) in super::tensor::memory_used(footprint, p) {
+            for (node, used) in super::tensor::memory_used(footprint, p, &holders) {
                 if let Some(l) = left.get_mut(node.as_str()) {
                     *l = l.saturating_sub(used);
                 }
@@ -147,7 +179,7 @@ pub fn place(model: &ModelFootprint, members: &[Capacity]) -> Result<Placement, 
     // (a GPU too small for the whole model) makes a split predict a faster token.
     if let Some(best) = nodes
         .iter()
-        .filter(|c| c.memory_offered >= model.total_bytes())
+        .filter(|c| c.memory_offered >= model.total_bytes_on(c.gpu))
         .max_by(|a, b| a.mem_bandwidth.total_cmp(&b.mem_bandwidth).then(b.node.cmp(&a.node)))
     {
         let single = Placement { strategy: Strategy::Single, stages: vec![Stage { node: best.node.clone(), start: 0, end: model.layers, group: vec![] }] };
@@ -172,9 +204,11 @@ fn token_seconds(model: &ModelFootprint, p: &Placement, nodes: &[&Capacity]) -> 
         .iter()
         .enumerate()
         .map(|(i, s)| {
-            let bw = nodes.iter().find(|c| c.node == s.node).map_or(1.0, |c| c.mem_bandwidth.max(1.0));
-            let fixed = if i == last { model.head_bytes } else { 0 };
-            ((s.end - s.start) as u64 * model.bytes_per_layer + fixed) as f64 / bw
+            let node = nodes.iter().find(|c| c.node == s.node);
+            let bw = node.map_or(1.0, |c| c.mem_bandwidth.max(1.0));
+            let held = model.held_on(node.is_some_and(|c| c.gpu));
+            let fixed = if i == last { held.head_bytes } else { 0 };
+            ((s.end - s.start) as u64 * held.bytes_per_layer + fixed) as f64 / bw
         })
         .sum::<f64>()
         + last as f64 * HOP_SECONDS
@@ -183,8 +217,10 @@ fn token_seconds(model: &ModelFootprint, p: &Placement, nodes: &[&Capacity]) -> 
 /// A pipeline over `nodes` (sorted by id), or why none fits.
 pub(super) fn pipeline(model: &ModelFootprint, nodes: &[&Capacity]) -> Result<Placement, PlacementError> {
     let offered: u64 = nodes.iter().map(|c| c.memory_offered).sum();
-    let not_fit = || PlacementError::DoesNotFit { model: model.model.clone(), needed: model.total_bytes(), offered };
-    if offered < model.total_bytes() {
+    // What the whole model takes on these nodes' kind (the CPU's figure when they are mixed).
+    let needed = model.total_bytes_on(nodes.iter().all(|c| c.gpu));
+    let not_fit = || PlacementError::DoesNotFit { model: model.model.clone(), needed, offered };
+    if offered < model.total_bytes_on(nodes.iter().any(|c| c.gpu)) {
         return Err(not_fit());
     }
     // Stage order: the first stage also holds the embedding, the last the head; give those
@@ -203,8 +239,9 @@ pub(super) fn pipeline(model: &ModelFootprint, nodes: &[&Capacity]) -> Result<Pl
         .iter()
         .enumerate()
         .map(|(i, c)| {
-            let fixed = if i == 0 { model.embedding_bytes } else { 0 } + if i + 1 == order.len() { model.head_bytes } else { 0 };
-            (c.memory_offered.saturating_sub(fixed) / model.layer_memory().max(1)) as usize
+            let held = model.held_on(c.gpu);
+            let fixed = if i == 0 { held.embedding_bytes } else { 0 } + if i + 1 == order.len() { held.head_bytes } else { 0 };
+            (c.memory_offered.saturating_sub(fixed) / held.layer_memory().max(1)) as usize
         })
         .collect();
     if capacity.iter().sum::<usize>() < model.layers {
@@ -222,9 +259,10 @@ pub(super) fn pipeline(model: &ModelFootprint, nodes: &[&Capacity]) -> Result<Pl
     }
     // The first and last stage own extra tensors: re-check them after dropping empty nodes.
     let fits = stages.iter().enumerate().all(|(i, s)| {
-        let cap = order.iter().find(|c| c.node == s.node).map(|c| c.memory_offered).unwrap_or(0);
-        let fixed = if i == 0 { model.embedding_bytes } else { 0 } + if i + 1 == stages.len() { model.head_bytes } else { 0 };
-        (s.end - s.start) as u64 * model.layer_memory() + fixed <= cap
+        let Some(c) = order.iter().find(|c| c.node == s.node) else { return false };
+        let held = model.held_on(c.gpu);
+        let fixed = if i == 0 { held.embedding_bytes } else { 0 } + if i + 1 == stages.len() { held.head_bytes } else { 0 };
+        (s.end - s.start) as u64 * held.layer_memory() + fixed <= c.memory_offered
     });
     if !fits {
         return Err(not_fit());
@@ -298,7 +336,7 @@ mod tests {
     use super::*;
 
     fn cap(node: &str, gb: u64, bw: f64) -> Capacity {
-        Capacity { node: node.into(), memory_offered: gb << 30, mem_bandwidth: bw }
+        Capacity { node: node.into(), memory_offered: gb << 30, mem_bandwidth: bw, gpu: node.starts_with("gpu") }
     }
 
     fn model(layers: usize, gb_per_layer_x10: u64) -> ModelFootprint {
@@ -382,7 +420,7 @@ mod tests {
         for (i, s) in p.stages.iter().enumerate() {
             let fixed = if i == 0 { m.embedding_bytes } else { 0 } + if i == last { m.head_bytes } else { 0 };
             let offered = members.iter().find(|c| c.node == s.node).unwrap().memory_offered;
-            assert!((s.end - s.start) as u64 * m.layer_memory() + fixed <= offered, "{p:?}");
+            assert!((s.end - s.start) as u64 * m.held_on(false).layer_memory() + fixed <= offered, "{p:?}");
         }
         // 11 GB of weights fit one 12 GB node; with 5 GB of caches they need two.
         assert_eq!(place(&model(20, 5), &[cap("a", 12, 50.0), cap("b", 12, 50.0)]).unwrap().strategy, Strategy::Single);
@@ -391,6 +429,34 @@ mod tests {
         assert_eq!(err, PlacementError::DoesNotFit { model: "m".into(), needed: 16 << 30, offered: 12 << 30 });
         // The caches are memory, not bytes read per token: the predicted token time is the same.
         assert_eq!(token_seconds(&m, &p, &members.iter().collect::<Vec<_>>()), token_seconds(&model(20, 5), &p, &members.iter().collect::<Vec<_>>()));
+    }
+
+    #[test]
+    fn a_half_precision_model_takes_twice_its_bytes_on_a_cpu_and_a_half_width_cache_on_a_gpu() {
+        // 20 layers of 0.5 GB as stored (f16), each reserving 0.25 GB of f32 cache.
+        let m = ModelFootprint { kv_bytes_per_layer: (1 << 30) / 4, dense_half: true, ..model(20, 5) };
+        let gb = 1u64 << 30;
+        assert_eq!(m.held_on(false), Held { bytes_per_layer: gb, kv_bytes_per_layer: gb / 4, embedding_bytes: gb, head_bytes: gb });
+        assert_eq!(m.held_on(true), Held { bytes_per_layer: gb / 2, kv_bytes_per_layer: gb / 8, embedding_bytes: gb / 2, head_bytes: gb / 2 });
+        // Its 16 GB file and caches would fit a 16 GB CPU node as stored; widened they need 27.
+        let stored = ModelFootprint { dense_half: false, ..m.clone() };
+        assert_eq!(place(&stored, &[cap("cpu", 16, 50.0)]).unwrap().strategy, Strategy::Single);
+        assert_eq!(place(&m, &[cap("cpu", 16, 50.0)]).unwrap_err(), PlacementError::DoesNotFit { model: "m".into(), needed: 27 * gb, offered: 16 * gb });
+        // A 14 GB GPU holds it all (0.625 GB a layer); a GPU beside CPUs fills at its own width.
+        assert_eq!(place(&m, &[cap("gpu", 14, 3000.0)]).unwrap().strategy, Strategy::Single);
+        let members = [cap("gpu", 4, 3000.0), cap("cpu1", 16, 50.0), cap("cpu2", 16, 50.0)];
+        let p = place(&m, &members).unwrap();
+        let last = p.stages.len() - 1;
+        for (i, s) in p.stages.iter().enumerate() {
+            let c = members.iter().find(|c| c.node == s.node).unwrap();
+            let held = m.held_on(c.gpu);
+            let fixed = if i == 0 { held.embedding_bytes } else { 0 } + if i == last { held.head_bytes } else { 0 };
+            assert!((s.end - s.start) as u64 * held.layer_memory() + fixed <= c.memory_offered, "{p:?}");
+        }
+        // A CPU reads the widened weights each token: twice the stored figure's time there.
+        let cpu_alone = Placement { strategy: Strategy::Single, stages: vec![Stage { node: "cpu1".into(), start: 0, end: 20, group: vec![] }] };
+        let nodes: Vec<&Capacity> = members.iter().collect();
+        assert_eq!(token_seconds(&m, &cpu_alone, &nodes), 2.0 * token_seconds(&stored, &cpu_alone, &nodes));
     }
 
     #[test]

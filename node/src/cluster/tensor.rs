@@ -81,27 +81,26 @@ fn share(tp: TpUnits, n: usize) -> f64 {
     part(tp.heads).max(part(tp.ffn))
 }
 
-/// Bytes one member of a group of `n` holds for `layers` layers (plus the embedding on the
-/// first stage, replicated on every member, and its rows of the head on the last).
-fn member_bytes(m: &ModelFootprint, n: usize, layers: usize, first: bool, last: bool) -> u64 {
-    (layers as f64 * m.layer_memory() as f64 * share(m.tp, n)).ceil() as u64 + if first { m.embedding_bytes } else { 0 } + if last { m.head_bytes.div_ceil(n.max(1) as u64) } else { 0 }
+/// Bytes one member (on a GPU or not) of a group of `n` holds for `layers` layers (plus the
+/// embedding on the first stage, replicated on every member, and its rows of the head on the last).
+pub(super) fn member_bytes(m: &ModelFootprint, gpu: bool, n: usize, layers: usize, first: bool, last: bool) -> u64 {
+    let held = m.held_on(gpu);
+    (layers as f64 * held.layer_memory() as f64 * share(m.tp, n)).ceil() as u64 + if first { held.embedding_bytes } else { 0 } + if last { held.head_bytes.div_ceil(n.max(1) as u64) } else { 0 }
 }
 
-/// Bytes each node holds under `p`.
-pub fn memory_used(m: &ModelFootprint, p: &Placement) -> Vec<(NodeId, u64)> {
+/// Bytes each node of `members` holds under `p`.
+pub fn memory_used(m: &ModelFootprint, p: &Placement, members: &[Capacity]) -> Vec<(NodeId, u64)> {
     let last = p.stages.len().saturating_sub(1);
+    let on_gpu = |node: &NodeId| members.iter().any(|c| &c.node == node && c.gpu);
     p.stages
         .iter()
         .enumerate()
-        .flat_map(|(i, s)| {
-            let bytes = member_bytes(m, s.tp_size(), s.end - s.start, i == 0, i == last);
-            s.members().map(move |n| (n.clone(), bytes))
-        })
+        .flat_map(|(i, s)| s.members().map(move |n| (n.clone(), member_bytes(m, on_gpu(n), s.tp_size(), s.end - s.start, i == 0, i == last))))
         .collect()
 }
 
 fn speed(c: &Capacity) -> Speed {
-    Speed { node: c.node.clone(), mem_bandwidth: c.mem_bandwidth, flops: f64::INFINITY, memory_offered: c.memory_offered }
+    Speed { node: c.node.clone(), mem_bandwidth: c.mem_bandwidth, flops: f64::INFINITY, memory_offered: c.memory_offered, gpu: c.gpu }
 }
 
 /// Predicted decode tok/s of `p` over `members`, with `link` between every pair.
@@ -149,8 +148,7 @@ fn groups_of(m: &ModelFootprint, ranked: &[&Capacity], k: usize, g: usize) -> Op
     let mut start = 0;
     for (i, chunk) in ranked.chunks(g).take(k).enumerate() {
         let layers = m.layers / k + usize::from(i < m.layers % k);
-        let need = member_bytes(m, g, layers, i == 0, i + 1 == k);
-        if chunk.iter().any(|c| c.memory_offered < need) {
+        if chunk.iter().any(|c| c.memory_offered < member_bytes(m, c.gpu, g, layers, i == 0, i + 1 == k)) {
             return None;
         }
         stages.push(group_stage(chunk, start, start + layers));
@@ -171,8 +169,7 @@ pub fn tensor(m: &ModelFootprint, members: &[Capacity], link: LinkCost) -> Resul
     let mut best: Option<(f64, Placement)> = None;
     for n in 2..=most {
         // The n fastest members that can hold a member's share.
-        let need = member_bytes(m, n, m.layers, true, true);
-        let fit: Vec<&Capacity> = by_speed(members).into_iter().filter(|c| c.memory_offered >= need).take(n).collect();
+        let fit: Vec<&Capacity> = by_speed(members).into_iter().filter(|c| c.memory_offered >= member_bytes(m, c.gpu, n, m.layers, true, true)).take(n).collect();
         if fit.len() < n {
             continue;
         }
@@ -185,7 +182,7 @@ pub fn tensor(m: &ModelFootprint, members: &[Capacity], link: LinkCost) -> Resul
     best.map(|(_, p)| p).ok_or_else(|| ChoiceError::Pinned {
         model: m.model.clone(),
         strategy: "tensor",
-        reason: format!("no group of 2 to {most} nodes has the memory for a member's share ({} bytes at 2 members)", member_bytes(m, 2, m.layers, true, true)),
+        reason: format!("no group of 2 to {most} nodes has the memory for a member's share ({} bytes at 2 members)", member_bytes(m, members.iter().all(|c| c.gpu), 2, m.layers, true, true)),
     })
 }
 
@@ -219,7 +216,7 @@ pub fn place_choice(m: &ModelFootprint, members: &[Capacity], link: LinkCost) ->
             let p = place(m, members)?;
             if p.strategy != Strategy::Single {
                 let largest = members.iter().map(|c| c.memory_offered).max().unwrap_or(0);
-                return Err(ChoiceError::Pinned { model: m.model.clone(), strategy: "single", reason: format!("it needs {} bytes and the largest node offers {largest}", m.total_bytes()) });
+                return Err(ChoiceError::Pinned { model: m.model.clone(), strategy: "single", reason: format!("it needs {} bytes and the largest node offers {largest}", m.total_bytes_on(members.iter().all(|c| c.gpu))) });
             }
             Ok(p)
         }
@@ -257,24 +254,25 @@ mod tests {
     const GB: u64 = 1 << 30;
 
     fn cap(node: &str, gb: u64, gbs: f64) -> Capacity {
-        Capacity { node: node.into(), memory_offered: gb * GB, mem_bandwidth: gbs * 1e9 }
+        Capacity { node: node.into(), memory_offered: gb * GB, mem_bandwidth: gbs * 1e9, gpu: false }
     }
 
     /// Qwen2.5-7B-like: 28 layers of 233 MB, 14 head groups, 74 MLP blocks.
     fn seven_b(strategy: Option<Strategy>) -> ModelFootprint {
-        ModelFootprint { model: "7b".into(), layers: 28, bytes_per_layer: 233 << 20, kv_bytes_per_layer: 0, embedding_bytes: 545 << 20, head_bytes: 545 << 20, tp: TpUnits { heads: 14, ffn: 74 }, strategy }
+        ModelFootprint { model: "7b".into(), layers: 28, bytes_per_layer: 233 << 20, kv_bytes_per_layer: 0, dense_half: false, embedding_bytes: 545 << 20, head_bytes: 545 << 20, tp: TpUnits { heads: 14, ffn: 74 }, strategy }
     }
 
     #[test]
     fn pinned_tensor_makes_one_group_ranked_by_id_and_counts_each_members_memory() {
         let m = seven_b(Some(Strategy::Tensor));
-        let p = place_choice(&m, &[cap("b", 16, 20.0), cap("a", 16, 20.0)], LinkCost::LAN).unwrap();
+        let members = [cap("b", 16, 20.0), cap("a", 16, 20.0)];
+        let p = place_choice(&m, &members, LinkCost::LAN).unwrap();
         assert_eq!(p.strategy, Strategy::Tensor);
         assert_eq!(p.stages, vec![Stage { node: "a".into(), start: 0, end: 28, group: vec!["b".into()] }]);
         assert_eq!(p.stage_of("b"), Some((0, 1)));
-        let used = memory_used(&m, &p);
+        let used = memory_used(&m, &p, &members);
         assert_eq!(used.len(), 2);
-        assert!(used[0].1 < m.total_bytes() * 3 / 5, "a member holds about half the layers: {used:?}");
+        assert!(used[0].1 < m.total_bytes_on(false) * 3 / 5, "a member holds about half the layers: {used:?}");
     }
 
     #[test]
@@ -316,7 +314,7 @@ mod tests {
         let two = [cap("a", 16, 20.0), cap("b", 16, 20.0)];
         let p = place_choice(&seven_b(None), &two, LinkCost::LAN).unwrap();
         assert_eq!(p.strategy, Strategy::Tensor, "{p:?}");
-        let tiny = ModelFootprint { model: "tiny".into(), layers: 4, bytes_per_layer: 1 << 20, kv_bytes_per_layer: 0, embedding_bytes: 1 << 20, head_bytes: 1 << 20, tp: TpUnits { heads: 4, ffn: 4 }, strategy: None };
+        let tiny = ModelFootprint { model: "tiny".into(), layers: 4, bytes_per_layer: 1 << 20, kv_bytes_per_layer: 0, dense_half: false, embedding_bytes: 1 << 20, head_bytes: 1 << 20, tp: TpUnits { heads: 4, ffn: 4 }, strategy: None };
         let p = place_choice(&tiny, &two, LinkCost::LAN).unwrap();
         assert_eq!(p.strategy, Strategy::Single, "all-reduces cost more than a tiny model's compute: {p:?}");
     }

@@ -445,6 +445,12 @@ fn row_pick(logits: &Tensor, name: &str, draw: Option<(f32, f64)>) -> Result<u32
 /// matrices are written into (`with_dequantized_f16`): grown to the largest matrix, then reused.
 static DEQUANT_SCRATCH: Mutex<Vec<(DeviceId, Tensor)>> = Mutex::new(Vec::new());
 
+/// Frees every device's dequantization scratch (when no model is loaded any more: the next
+/// prompt's first matrix allocates it again). Freed in stream order, after the work that read it.
+pub fn release_dequant_scratch() {
+    DEQUANT_SCRATCH.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
+}
+
 /// Runs `multiply` on a Q4_K or Q6_K matrix on a GPU dequantized to f16 (`dequant_q4_k_f16` /
 /// `dequant_q6_k_f16` in decode.cu: the values candle's CPU dequantization gives, rounded to f16),
 /// for a prompt's matrix products through cuBLAS; None for other formats, which candle

@@ -73,7 +73,14 @@ impl ModelSource {
     /// the head (final norm plus LM head, or the embedding again when tied), from tensor headers.
     pub fn footprint_bytes(&self) -> (u64, u64, u64) {
         let layer_roles = [Role::AttnNorm, Role::Q, Role::K, Role::V, Role::O, Role::QBias, Role::KBias, Role::VBias, Role::QNorm, Role::KNorm, Role::PostAttnNorm, Role::FfnNorm, Role::PostFfnNorm, Role::Gate, Role::Up, Role::Down];
-        let per_layer = (0..self.spec.num_layers).map(|l| layer_roles.iter().map(|r| self.weights.stored_bytes(*r, l)).sum::<u64>()).max().unwrap_or(0);
+        // Roles may name one tensor twice (a non-sandwich model's FFN norm is its post-attention norm).
+        let layer_bytes = |l: usize| {
+            let mut names: Vec<(String, Role)> = layer_roles.iter().map(|r| (self.weights.name(*r, l), *r)).collect();
+            names.sort_by(|a, b| a.0.cmp(&b.0));
+            names.dedup_by(|a, b| a.0 == b.0);
+            names.iter().map(|(_, r)| self.weights.stored_bytes(*r, l)).sum::<u64>()
+        };
+        let per_layer = (0..self.spec.num_layers).map(layer_bytes).max().unwrap_or(0);
         let embedding = self.weights.stored_bytes(Role::Embed, 0);
         let head = self.weights.stored_bytes(Role::FinalNorm, 0) + if self.weights.contains(Role::LmHead, 0) && !self.spec.tie_embeddings { self.weights.stored_bytes(Role::LmHead, 0) } else { embedding };
         (per_layer, embedding, head)

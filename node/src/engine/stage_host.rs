@@ -64,6 +64,10 @@ impl StageHost {
                         }
                         Job::Unload { model } => {
                             stages.remove(&model);
+                            #[cfg(feature = "cuda")]
+                            if stages.is_empty() {
+                                super::cuda_decode::release_dequant_scratch();
+                            }
                         }
                         Job::Step { model, step, reply } => match stages.get_mut(&model) {
                             Some(stage) => reply(stage.step(step)),

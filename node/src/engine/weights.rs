@@ -289,15 +289,22 @@ impl Weights {
     /// embedding's stored type decides for safetensors; GGUF computes in f32 (quantized matmuls
     /// take f32 input).
     pub fn compute_dtype(&self, device: &Device) -> DType {
-        let stored = match self {
-            Weights::Safetensors { st, .. } => st
-                .get(&self.name(Role::Embed, 0))
-                .ok()
-                .and_then(|v| DType::try_from(v.dtype()).ok())
-                .unwrap_or(DType::F32),
+        super::device::compute_dtype(device, self.dense_dtype())
+    }
+
+    /// The stored type of dense weights: the embedding's for safetensors; f32 for GGUF (its
+    /// quantized matrices stay as they are, the rest is dequantized to f32).
+    fn dense_dtype(&self) -> DType {
+        match self {
+            Weights::Safetensors { st, .. } => st.get(&self.name(Role::Embed, 0)).ok().and_then(|v| DType::try_from(v.dtype()).ok()).unwrap_or(DType::F32),
             Weights::Gguf { .. } => DType::F32,
-        };
-        super::device::compute_dtype(device, stored)
+        }
+    }
+
+    /// Whether dense weights are stored in half precision, so that a CPU holds them at twice
+    /// their stored bytes and a GPU keeps them (and the KV cache) at half width.
+    pub fn dense_half(&self) -> bool {
+        matches!(self.dense_dtype(), DType::F16 | DType::BF16)
     }
 
     /// A weight matrix for `x @ W^T`, quantized blocks kept as they are.

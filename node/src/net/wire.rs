@@ -212,6 +212,7 @@ fn footprint_to_proto(f: &ModelFootprint) -> v1::ModelFootprint {
         layers: u32::try_from(f.layers).unwrap_or(u32::MAX),
         bytes_per_layer: f.bytes_per_layer,
         kv_bytes_per_layer: f.kv_bytes_per_layer,
+        dense_half: f.dense_half,
         embedding_bytes: f.embedding_bytes,
         head_bytes: f.head_bytes,
         // Unit counts come from a model's heads and blocks, far below u32::MAX.
@@ -247,14 +248,15 @@ fn footprint_from_proto(f: v1::ModelFootprint) -> Result<ModelFootprint, WireErr
     if f.layers > MAX_LAYERS {
         return Err(WireError::BadLayers { field: "wants.layers", detail: format!("{} layers", f.layers) });
     }
-    // `ModelFootprint::total_bytes` sums these unchecked: refuse what would overflow there.
-    let total = f.bytes_per_layer.checked_add(f.kv_bytes_per_layer).and_then(|b| b.checked_mul(u64::from(f.layers))).and_then(|b| b.checked_add(f.embedding_bytes)).and_then(|b| b.checked_add(f.head_bytes));
+    // `ModelFootprint::total_bytes_on` sums these unchecked, doubled on a CPU for dense half
+    // weights: refuse what would overflow there.
+    let total = f.bytes_per_layer.checked_add(f.kv_bytes_per_layer).and_then(|b| b.checked_mul(u64::from(f.layers))).and_then(|b| b.checked_add(f.embedding_bytes)).and_then(|b| b.checked_add(f.head_bytes)).and_then(|b| b.checked_mul(2));
     if total.is_none() {
         return Err(WireError::OutOfRange { field: "wants.bytes" });
     }
     let strategy = strategy_from_proto("wants.strategy", f.strategy)?;
     let tp = crate::cluster::TpUnits { heads: f.tp_head_units.min(MAX_TP_UNITS) as usize, ffn: f.tp_ffn_units.min(MAX_TP_UNITS) as usize };
-    Ok(ModelFootprint { model: f.model, layers: f.layers as usize, bytes_per_layer: f.bytes_per_layer, kv_bytes_per_layer: f.kv_bytes_per_layer, embedding_bytes: f.embedding_bytes, head_bytes: f.head_bytes, tp, strategy })
+    Ok(ModelFootprint { model: f.model, layers: f.layers as usize, bytes_per_layer: f.bytes_per_layer, kv_bytes_per_layer: f.kv_bytes_per_layer, dense_half: f.dense_half, embedding_bytes: f.embedding_bytes, head_bytes: f.head_bytes, tp, strategy })
 }
 
 fn plan_to_proto(p: &Plan) -> v1::Plan {

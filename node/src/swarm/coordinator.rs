@@ -401,7 +401,8 @@ fn footprint(model: &str, path: &std::path::Path, context_limit: Option<usize>) 
     let kv_bytes_per_layer = source.kv_reserve_per_layer(context_limit);
     // A model whose header does not say how it splits is placed only whole or by layers.
     let (heads, ffn) = TpShape::of(&source.weights, &source.spec).map(|s| s.units()).unwrap_or((0, 0));
-    Ok(ModelFootprint { model: model.to_string(), layers: source.spec.num_layers, bytes_per_layer, kv_bytes_per_layer, embedding_bytes, head_bytes, tp: TpUnits { heads, ffn }, strategy: None })
+    let dense_half = source.weights.dense_half();
+    Ok(ModelFootprint { model: model.to_string(), layers: source.spec.num_layers, bytes_per_layer, kv_bytes_per_layer, dense_half, embedding_bytes, head_bytes, tp: TpUnits { heads, ffn }, strategy: None })
 }
 
 pub(super) fn peer_of(node: &str) -> Option<PeerId> {
