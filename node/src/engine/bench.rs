@@ -85,12 +85,16 @@ pub fn run(model: &LoadedModel, opts: &BenchOptions) -> Result<BenchReport> {
     }
 
     let mut prefill_runs = Vec::new();
+    let _ = super::op_timing::report(); // only the timed runs below
     for _ in 0..opts.repetitions {
         let mut cache = shard.new_cache();
         let t0 = Instant::now();
         let out = shard.forward(ShardInput::Tokens(&prompt), &mut cache, false)?;
         greedy(out)?;
         prefill_runs.push(prompt.len() as f64 / t0.elapsed().as_secs_f64());
+    }
+    if let Some(report) = super::op_timing::report() {
+        eprintln!("prompt time by section over {} runs (SHOAL_PROMPT_TIMING):\n{report}", opts.repetitions);
     }
 
     // Taken before the bandwidth probes, whose buffer is not the model's memory (decode's own

@@ -7,8 +7,9 @@
 //! and a first shard's token is embedded by the step's first kernel (no lookup outside the graph).
 //! Also the sampler's CUDA side: a temperature draw or top-k / top-p / min-p candidates computed
 //! where the logits are, and page-locked copies of whole rows; and for prompts, Q4_K / Q6_K
-//! matrices dequantized to f16 for cuBLAS (`with_dequantized_f16`).
-//! What it does not do: prompts' products and attention (t > 1 stay on candle and cuBLAS),
+//! matrices dequantized to f16 for cuBLAS (`with_dequantized_f16`), and prompts' attention
+//! softmax and gated product each in one pass (`attention_softmax`, `gated_product`).
+//! What it does not do: prompts' matrix products (t > 1 stay on candle and cuBLAS),
 //! tensor-parallel slices, or
 //! anything on the CPU. A shard whose weights or shapes these kernels do not cover says why at
 //! load and keeps candle's path.
@@ -444,6 +445,107 @@ fn row_pick(logits: &Tensor, name: &str, draw: Option<(f32, f64)>) -> Result<u32
 /// Per CUDA device (candle's id: one stream each), the f16 scratch that prompts' dequantized
 /// matrices are written into (`with_dequantized_f16`): grown to the largest matrix, then reused.
 static DEQUANT_SCRATCH: Mutex<Vec<(DeviceId, Tensor)>> = Mutex::new(Vec::new());
+
+/// The device address of a CUDA tensor's first element, its rows (every dimension but the
+/// last, collapsed), its row length and the elements between rows; None unless its last
+/// dimension is contiguous and its rows evenly spaced (a contiguous tensor, or a view of some
+/// of each row's columns).
+fn strided_rows(t: &Tensor) -> Result<Option<(u64, usize, usize, usize)>> {
+    let (dims, strides) = (t.dims(), t.stride());
+    let Some((&cols, lead)) = dims.split_last() else { return Ok(None) };
+    let rank = dims.len();
+    if rank < 2 || strides[rank - 1] != 1 || (0..rank - 2).any(|d| strides[d] != strides[d + 1] * dims[d + 1]) {
+        return Ok(None);
+    }
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*storage else { return Ok(None) };
+    let stream = cs.device.cuda_stream();
+    let base = match t.dtype() {
+        DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
+        DType::F16 => cs.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0,
+        DType::BF16 => cs.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
+        _ => return Ok(None),
+    };
+    Ok(Some((base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64, lead.iter().product(), cols, strides[rank - 2])))
+}
+
+/// `SHOAL_PROMPT_KERNELS=candle`: candle's ops for prompts' softmax and gated product (an A/B aid).
+fn candle_prompt_ops() -> bool {
+    std::env::var("SHOAL_PROMPT_KERNELS").is_ok_and(|v| v == "candle")
+}
+
+/// The `attention_softmax_*` or `gated_product_*` instance for `dtype`.
+fn prompt_kernel(cuda: &candle_core::CudaDevice, name: &str, dtype: DType) -> Result<CudaFunction> {
+    let suffix = match dtype {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        other => return Err(unsupported(format!("no prompt kernels for {other:?}"))),
+    };
+    Ok(cuda.get_or_load_custom_func(&format!("{name}_{suffix}"), MODULE, PTX)?.into_cuda_function())
+}
+
+/// A prompt's attention scores, `(.., rows, keys)` raw from q·kᵀ (rows query-fastest over `t`
+/// queries at positions `start..`, keys at `first_key..`), turned into probabilities in place:
+/// times `scale`, soft-capped by `softcap`, the keys a query may not see (later ones, and with
+/// `window` those `window` or more behind) left out, softmax in f32 (`attention_softmax_*`, one
+/// pass for what candle's ops did in four plus a mask built per layer). None off a GPU.
+pub fn attention_softmax(scores: &Tensor, t: usize, start: usize, first_key: usize, window: Option<usize>, scale: f64, softcap: Option<f64>) -> Result<Option<Tensor>> {
+    let Device::Cuda(cuda) = scores.device() else { return Ok(None) };
+    if candle_prompt_ops() || !scores.is_contiguous() {
+        return Ok(None);
+    }
+    let Some((ptr, rows, keys, _)) = strided_rows(scores)? else { return Ok(None) };
+    if t == 0 || rows % t != 0 || rows > u32::MAX as usize || keys > i32::MAX as usize {
+        return Ok(None);
+    }
+    let f = prompt_kernel(cuda, "attention_softmax", scores.dtype())?;
+    let stream = cuda.cuda_stream();
+    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let (keys, t, start, first_key) = (keys as i32, t as i32, start as i64, first_key as i64);
+    let (window, scale, softcap) = (window.map_or(0, |w| w.min(i32::MAX as usize)) as i32, scale as f32, softcap.unwrap_or(0.0) as f32);
+    let mut launch = stream.launch_builder(&f);
+    launch.arg(&ptr).arg(&keys).arg(&t).arg(&start).arg(&first_key).arg(&window).arg(&scale).arg(&softcap);
+    // SAFETY: `ptr` is the contiguous rows × keys of `scores` on this stream, which this call's
+    // caller owns alone (a product it just made).
+    unsafe { launch.launch(cfg) }.map_err(driver)?;
+    Ok(Some(scores.clone()))
+}
+
+/// `act(gate) * up` in one pass (`gated_product_*`, in f32, rounded once) for views of one
+/// stacked product or separate tensors, `(.., cols)` each with evenly spaced rows; a new
+/// contiguous tensor of their shape. None off a GPU or for other layouts.
+pub fn gated_product(gate: &Tensor, up: &Tensor, act: Activation) -> Result<Option<Tensor>> {
+    let Device::Cuda(cuda) = gate.device() else { return Ok(None) };
+    if candle_prompt_ops() || gate.shape() != up.shape() || gate.dtype() != up.dtype() {
+        return Ok(None);
+    }
+    let (Some((g, rows, cols, gs)), Some((u, _, _, us))) = (strided_rows(gate)?, strided_rows(up)?) else { return Ok(None) };
+    let f = prompt_kernel(cuda, "gated_product", gate.dtype())?;
+    let stream = cuda.cuda_stream();
+    let n = rows * cols;
+    let storage = match gate.dtype() {
+        // SAFETY (each): the kernel below writes all n elements before anything reads them.
+        DType::F32 => candle_core::CudaStorage::wrap_cuda_slice(unsafe { stream.alloc::<f32>(n) }.map_err(driver)?, cuda.clone()),
+        DType::F16 => candle_core::CudaStorage::wrap_cuda_slice(unsafe { stream.alloc::<half::f16>(n) }.map_err(driver)?, cuda.clone()),
+        DType::BF16 => candle_core::CudaStorage::wrap_cuda_slice(unsafe { stream.alloc::<half::bf16>(n) }.map_err(driver)?, cuda.clone()),
+        _ => return Ok(None),
+    };
+    let out = Tensor::from_storage(Storage::Cuda(storage), gate.shape().clone(), candle_core::op::BackpropOp::none(), false);
+    let o = tensor_ptr(&out)?;
+    let (rows_arg, cols_arg, gs, us) = (rows as i64, cols as i32, gs as i64, us as i64);
+    let mode: i32 = match act {
+        Activation::Silu => 2,      // MODE_SILU
+        Activation::GeluTanh => 3,  // MODE_GELU_TANH
+    };
+    let cfg = LaunchConfig { grid_dim: (n.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let mut launch = stream.launch_builder(&f);
+    launch.arg(&g).arg(&u).arg(&o).arg(&rows_arg).arg(&cols_arg).arg(&gs).arg(&us).arg(&mode);
+    // SAFETY: `g` and `u` address rows × cols values `gs` and `us` apart, `o` n contiguous ones,
+    // all on this stream.
+    unsafe { launch.launch(cfg) }.map_err(driver)?;
+    Ok(Some(out))
+}
 
 /// Frees every device's dequantization scratch (when no model is loaded any more: the next
 /// prompt's first matrix allocates it again). Freed in stream order, after the work that read it.

@@ -332,11 +332,14 @@ impl Attention {
     pub fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cache: &mut LayerCache) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let start = cache.len();
+        let dev = x.device();
+        let mut clock = super::op_timing::start(dev);
         let heads = |y: Tensor, n: usize| -> Result<Tensor> { Ok(y.reshape((b, t, n, self.head_dim))?.transpose(1, 2)?.contiguous()?) };
         let [q, k, v] = match &self.qkv {
             Some(fused) => Linear::split(fused.forward(x)?, [&self.q, &self.k, &self.v])?,
             None => Linear::forward_group([&self.q, &self.k, &self.v], x)?,
         };
+        clock.mark(dev, "qkv");
         let mut q = heads(q, self.num_heads)?;
         let mut k = heads(k, self.num_kv_heads)?;
         let v = heads(v, self.num_kv_heads)?;
@@ -348,7 +351,9 @@ impl Attention {
             RopeStyle::Halves => (candle_nn::rotary_emb::rope(&q, cos, sin)?, candle_nn::rotary_emb::rope(&k, cos, sin)?),
             RopeStyle::Interleaved => (candle_nn::rotary_emb::rope_i(&q, cos, sin)?, candle_nn::rotary_emb::rope_i(&k, cos, sin)?),
         };
+        clock.mark(dev, "heads+rope");
         let (k_all, v_all) = cache.append(&k, &v)?;
+        clock.mark(dev, "kv append");
         let total = start + t;
         // Keys older than the window can never be seen again by these queries: skip them.
         let first_key = match self.window {
@@ -378,24 +383,42 @@ impl Attention {
         // consecutive, so fold them into the query-length axis.
         let rep = self.num_heads / kv_heads;
         let q = q.reshape((b, kv_heads, rep * t, self.head_dim))?;
-        let mut scores = (q.matmul(&k_all.t()?)? * self.scale)?;
-        if let Some(cap) = self.softcap {
-            scores = ((scores / cap)?.tanh()? * cap)?;
-        }
-        if let Some(mask) = attention_mask(start, t, first_key, keys, self.window, x.device())? {
-            let mask = mask.to_dtype(scores.dtype())?;
-            scores = scores
-                .reshape((b, kv_heads, rep, t, keys))?
-                .broadcast_add(&mask)?
-                .reshape((b, kv_heads, rep * t, keys))?;
-        }
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let mut scores = q.matmul(&k_all.t()?)?;
+        clock.mark(dev, "scores");
+        // On a GPU one kernel scales, caps, masks and normalizes the rows (query-fastest: row r
+        // is query r % t); elsewhere candle's ops do it step by step.
+        #[cfg(feature = "cuda")]
+        let fused = super::cuda_decode::attention_softmax(&scores, t, start, first_key, self.window, self.scale, self.softcap)?;
+        #[cfg(not(feature = "cuda"))]
+        let fused: Option<Tensor> = None;
+        let probs = match fused {
+            Some(probs) => probs,
+            None => {
+                scores = (scores * self.scale)?;
+                if let Some(cap) = self.softcap {
+                    scores = ((scores / cap)?.tanh()? * cap)?;
+                }
+                if let Some(mask) = attention_mask(start, t, first_key, keys, self.window, x.device())? {
+                    let mask = mask.to_dtype(scores.dtype())?;
+                    scores = scores
+                        .reshape((b, kv_heads, rep, t, keys))?
+                        .broadcast_add(&mask)?
+                        .reshape((b, kv_heads, rep * t, keys))?;
+                }
+                candle_nn::ops::softmax_last_dim(&scores)?
+            }
+        };
+        clock.mark(dev, "softmax");
         let out = probs.matmul(&v_all)?; // (b, kv_heads, rep * t, head_dim)
+        clock.mark(dev, "pv");
         let out = out
             .reshape((b, self.num_heads, t, self.head_dim))?
             .transpose(1, 2)?
             .reshape((b, t, self.num_heads * self.head_dim))?;
-        self.o.forward(&out)
+        clock.mark(dev, "merge heads");
+        let y = self.o.forward(&out);
+        clock.mark(dev, "o");
+        y
     }
 }
 
@@ -467,18 +490,34 @@ impl Mlp {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dev = x.device();
+        let mut clock = super::op_timing::start(dev);
         let [gate, up] = match &self.gate_up {
             Some(fused) => Linear::split(fused.forward(x)?, [&self.gate, &self.up])?,
             None => Linear::forward_group([&self.gate, &self.up], x)?,
         };
+        clock.mark(dev, "gate/up");
         if let Some(h) = gated_on_pool(self.activation, &gate, &up)? {
             return self.down.forward(&h);
         }
-        let gate = match self.activation {
-            Activation::Silu => candle_nn::ops::silu(&gate)?,
-            Activation::GeluTanh => gate.gelu()?,
+        #[cfg(feature = "cuda")]
+        let fused = super::cuda_decode::gated_product(&gate, &up, self.activation)?;
+        #[cfg(not(feature = "cuda"))]
+        let fused: Option<Tensor> = None;
+        let h = match fused {
+            Some(h) => h,
+            None => {
+                let gate = match self.activation {
+                    Activation::Silu => candle_nn::ops::silu(&gate)?,
+                    Activation::GeluTanh => gate.gelu()?,
+                };
+                (gate * up)?
+            }
         };
-        self.down.forward(&(gate * up)?)
+        clock.mark(dev, "activation");
+        let y = self.down.forward(&h);
+        clock.mark(dev, "down");
+        y
     }
 }
 
@@ -546,16 +585,26 @@ impl DecoderLayer {
     /// `reduce` joins a tensor-parallel slice's partial sums (after o_proj and after down_proj)
     /// with its group's; `None` for a whole layer.
     pub fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cache: &mut LayerCache, reduce: Option<&dyn AllReduce>) -> Result<Tensor> {
-        let mut h = all_reduce(self.attn.forward(&self.attn_norm.forward(x)?, cos, sin, cache)?, reduce)?;
+        let dev = x.device();
+        let mut clock = super::op_timing::start(dev);
+        let normed = self.attn_norm.forward(x)?;
+        clock.mark(dev, "norms+adds");
+        let mut h = all_reduce(self.attn.forward(&normed, cos, sin, cache)?, reduce)?;
+        let mut clock = super::op_timing::start(dev);
         if let Some(n) = &self.post_attn_norm {
             h = n.forward(&h)?;
         }
         let x = (x + h)?;
-        let mut h = all_reduce(self.mlp.forward(&self.ffn_norm.forward(&x)?)?, reduce)?;
+        let normed = self.ffn_norm.forward(&x)?;
+        clock.mark(dev, "norms+adds");
+        let mut h = all_reduce(self.mlp.forward(&normed)?, reduce)?;
+        let mut clock = super::op_timing::start(dev);
         if let Some(n) = &self.post_ffn_norm {
             h = n.forward(&h)?;
         }
-        Ok((x + h)?)
+        let y = (x + h)?;
+        clock.mark(dev, "norms+adds");
+        Ok(y)
     }
 
     pub fn head_dim(&self) -> usize {
