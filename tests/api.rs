@@ -234,6 +234,12 @@ fn cluster_and_models_match_the_contract() {
     assert_eq!(gemma["shoal"]["loaded"], true);
     assert_eq!((gemma["shoal"]["family"].as_str(), gemma["shoal"]["layers"].as_u64(), gemma["shoal"]["format"].as_str()), (Some("gemma3"), Some(18), Some("gguf")));
     assert_eq!((qwen["shoal"]["loaded"].as_bool(), qwen["shoal"]["fits"].as_bool(), qwen["shoal"]["layers"].as_u64()), (Some(false), Some(false), Some(28)));
+    // What the list says a model needs is what placement counts for this CPU node at its context.
+    let source = shoal::engine::model::ModelSource::open(std::path::Path::new(&gemma_path())).expect("gemma opens");
+    let placed = shoal::models::footprint(GEMMA, &source, Some(1024)).total_bytes_on(false);
+    assert_eq!(gemma["shoal"]["needed_bytes"].as_u64(), Some(placed));
+    assert!((430_000_000..500_000_000).contains(&placed), "weights and a 1,024-position cache: {placed}");
+    assert!(qwen["shoal"]["needed_bytes"].as_u64().unwrap() > 1_000_000_000, "{qwen}");
     assert_eq!((models["object"].as_str(), gemma["owned_by"].as_str()), (Some("list"), Some("shoal")));
 
     // Qwen (1.1 GB) does not fit in 500 MB: asking for it is refused, not attempted.

@@ -4,7 +4,6 @@
 //! what placement counts for a CPU node is what a loaded shard really holds.
 
 use candle_core::Device;
-use shoal::cluster::ModelFootprint;
 use shoal::engine::model::ModelSource;
 use shoal::engine::sampler::argmax;
 use shoal::engine::shard::PREFILL_CHUNK;
@@ -138,8 +137,8 @@ fn a_prompt_longer_than_a_prefill_chunk_equals_it_fed_token_by_token() {
     check_long_prompt("gemma3");
 }
 
-/// Placement's figure for a CPU node (`ModelFootprint::held_on(false)`, built from the header as
-/// the coordinator builds it) covers the weight bytes a CPU shard of the whole model reads per
+/// Placement's figure for a CPU node (`ModelFootprint::held_on(false)` of the footprint the
+/// coordinator builds from the header) covers the weight bytes a CPU shard of the whole model reads per
 /// token, within 2%: f16 and bf16 checkpoints are widened to f32 on a CPU, so they take twice
 /// their file.
 #[test]
@@ -147,8 +146,7 @@ fn placement_counts_the_weights_a_cpu_shard_really_holds() {
     let gguf = crate::util::real_model("gemma3-270m");
     for (name, path, half) in [("qwen2", fixture("qwen2"), false), ("qwen2-f16", fixture("qwen2-f16"), true), ("qwen2-bf16", fixture("qwen2-bf16"), true), ("gemma3-270m Q4_K_M", gguf, false)] {
         let source = ModelSource::open(&path).expect("model");
-        let (bytes_per_layer, embedding_bytes, head_bytes) = source.footprint_bytes();
-        let footprint = ModelFootprint { model: name.into(), layers: source.spec.num_layers, bytes_per_layer, embedding_bytes, head_bytes, dense_half: source.weights.dense_half(), ..Default::default() };
+        let footprint = shoal::models::footprint(name, &source, None);
         assert_eq!(footprint.dense_half, half, "{name}");
         let shard = source.load_shard(LayerRange::full(source.spec.num_layers), &Device::Cpu).expect("load");
         let held = footprint.held_on(false);
@@ -156,7 +154,7 @@ fn placement_counts_the_weights_a_cpu_shard_really_holds() {
         // Every layer counts as the largest: a Q4_K_M file's layers differ (some hold Q6_K).
         let real = shard.decode_bytes();
         assert!(real <= counted && counted - real <= counted / 50, "{name}: placement counts {counted} bytes, the shard holds {real}");
-        let stored = bytes_per_layer * footprint.layers as u64 + head_bytes;
+        let stored = footprint.bytes_per_layer * footprint.layers as u64 + footprint.head_bytes;
         if half {
             assert_eq!(real, 2 * stored, "{name}");
         }

@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use candle_core::Device;
 use shoal::cluster::cost;
-use shoal::cluster::ModelFootprint;
 use shoal::dataplane::connect::{join, Invite, Inviter};
 use shoal::dataplane::negotiate::local_offer;
 use shoal::dataplane::{Link, LinkGroup, Transport};
@@ -105,8 +104,7 @@ pub fn run(args: TpMemberArgs) -> anyhow::Result<()> {
         let member = TpMember { slice: TpSlice { rank: args.rank, size: args.size }, reduce: group.clone() };
         Shard::load_tp(&source.weights, &source.spec, range, &Device::Cpu, Some(member))?
     };
-    let (bytes_per_layer, embedding_bytes, head_bytes) = source.footprint_bytes();
-    let footprint = ModelFootprint { model: source.name(), layers: source.spec.num_layers, bytes_per_layer, embedding_bytes, head_bytes, dense_half: source.weights.dense_half(), ..Default::default() };
+    let footprint = shoal::models::footprint(&source.name(), &source, None);
     let speed = cost::Speed { node: String::new(), mem_bandwidth: mem_bw.min(decode_bw), flops: f64::MAX, memory_offered: u64::MAX, gpu: false };
     let speeds: Vec<&cost::Speed> = (0..args.size).map(|_| &speed).collect();
     let link = cost::LinkCost { rtt_s, bytes_per_s: 5e9 };

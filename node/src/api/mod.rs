@@ -131,7 +131,7 @@ pub fn open_store(config: &ApiConfig) -> Result<(Arc<Store>, Option<LocalModel>)
         Some(path) => Some(inspect(path).or_else(|| any_model_path(path)).ok_or_else(|| ServeError::NoModel(path.clone()))?),
         None => None,
     };
-    Ok((Arc::new(Store::open(&config.data_dir, preload.iter().map(|m| m.path.clone()).collect())), preload))
+    Ok((Arc::new(Store::open(&config.data_dir, preload.iter().map(|m| m.path.clone()).collect()).with_context_limit(config.context)), preload))
 }
 
 /// What the node made before the server: its local models, its measured profile, its swarm.

@@ -72,13 +72,22 @@ impl App {
         total.min(available + loaded)
     }
 
-    /// Every model this node can serve: the loaded one first, then the rest on disk.
+    /// What this node offers from its GPU, when it computes on one (its advert's figure).
+    async fn gpu_offer(&self) -> Option<u64> {
+        let s = self.swarm.snapshot().await.ok()?;
+        s.members.iter().find(|m| m.id == s.me && m.gpu.is_some()).map(|m| m.memory_offered)
+    }
+
+    /// Every model this node can serve: the loaded one first, then the rest on disk. A model
+    /// `fits` when what this node's device would hold of it (its footprint: the weights as held
+    /// there and the KV cache reserved for `--context`) fits the memory it could have now.
     async fn model_list(self: &Arc<Self>) -> Vec<Value> {
         let app = self.clone();
+        let gpu_offer = self.gpu_offer().await;
         tokio::task::spawn_blocking(move || {
             let state = app.scheduler.state();
             let loaded = state.loaded.as_ref().map(|l| &l.model);
-            let room = app.room_for_a_model(&state);
+            let room = gpu_offer.unwrap_or_else(|| app.room_for_a_model(&state));
             let mut models = app.store.scan();
             if let Some(l) = loaded {
                 models.retain(|m| m.path != l.path);
@@ -89,11 +98,12 @@ impl App {
                 .map(|m| {
                     let is_loaded = loaded.is_some_and(|l| l.path == m.path);
                     let details = app.store.details(m);
+                    let needed = details.footprint.as_ref().map_or(m.size_bytes, |f| f.total_bytes_on(gpu_offer.is_some()));
                     let created = std::fs::metadata(&m.path).and_then(|md| md.modified()).ok().and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or(0, |d| d.as_secs());
                     json!({
                         "id": m.id, "object": "model", "created": created, "owned_by": "shoal",
                         "shoal": {
-                            "loaded": is_loaded, "size_bytes": m.size_bytes, "fits": is_loaded || m.size_bytes <= room,
+                            "loaded": is_loaded, "size_bytes": m.size_bytes, "fits": is_loaded || needed <= room, "needed_bytes": needed,
                             "family": details.family, "layers": details.layers,
                             "format": match m.format { WeightFormat::Gguf => "gguf", WeightFormat::Safetensors => "safetensors" },
                             "path": m.path.display().to_string(),

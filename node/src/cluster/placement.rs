@@ -58,7 +58,8 @@ impl ModelFootprint {
 
     /// Memory the whole model takes on one node of the kind given.
     pub fn total_bytes_on(&self, gpu: bool) -> u64 {
-        self.held_on(gpu).layer_memory() * self.layers as u64 + self.held_on(gpu).embedding_bytes + self.held_on(gpu).head_bytes
+        let held = self.held_on(gpu);
+        held.layer_memory() * self.layers as u64 + held.embedding_bytes + held.head_bytes
     }
 }
 
@@ -446,6 +447,7 @@ mod tests {
         assert_eq!(place(&m, &[cap("gpu", 14, 3000.0)]).unwrap().strategy, Strategy::Single);
         let members = [cap("gpu", 4, 3000.0), cap("cpu1", 16, 50.0), cap("cpu2", 16, 50.0)];
         let p = place(&m, &members).unwrap();
+        assert_eq!(n_of(&p, "gpu"), 6, "4 GB hold 6 layers at the GPU's 0.625 GB, not 3 at a CPU's 1.25: {p:?}");
         let last = p.stages.len() - 1;
         for (i, s) in p.stages.iter().enumerate() {
             let c = members.iter().find(|c| c.node == s.node).unwrap();

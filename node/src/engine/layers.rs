@@ -585,26 +585,16 @@ impl DecoderLayer {
     /// `reduce` joins a tensor-parallel slice's partial sums (after o_proj and after down_proj)
     /// with its group's; `None` for a whole layer.
     pub fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, cache: &mut LayerCache, reduce: Option<&dyn AllReduce>) -> Result<Tensor> {
-        let dev = x.device();
-        let mut clock = super::op_timing::start(dev);
-        let normed = self.attn_norm.forward(x)?;
-        clock.mark(dev, "norms+adds");
-        let mut h = all_reduce(self.attn.forward(&normed, cos, sin, cache)?, reduce)?;
-        let mut clock = super::op_timing::start(dev);
+        let mut h = all_reduce(self.attn.forward(&self.attn_norm.forward(x)?, cos, sin, cache)?, reduce)?;
         if let Some(n) = &self.post_attn_norm {
             h = n.forward(&h)?;
         }
         let x = (x + h)?;
-        let normed = self.ffn_norm.forward(&x)?;
-        clock.mark(dev, "norms+adds");
-        let mut h = all_reduce(self.mlp.forward(&normed)?, reduce)?;
-        let mut clock = super::op_timing::start(dev);
+        let mut h = all_reduce(self.mlp.forward(&self.ffn_norm.forward(&x)?)?, reduce)?;
         if let Some(n) = &self.post_ffn_norm {
             h = n.forward(&h)?;
         }
-        let y = (x + h)?;
-        clock.mark(dev, "norms+adds");
-        Ok(y)
+        Ok((x + h)?)
     }
 
     pub fn head_dim(&self) -> usize {

@@ -75,10 +75,8 @@ impl ModelSource {
         let layer_roles = [Role::AttnNorm, Role::Q, Role::K, Role::V, Role::O, Role::QBias, Role::KBias, Role::VBias, Role::QNorm, Role::KNorm, Role::PostAttnNorm, Role::FfnNorm, Role::PostFfnNorm, Role::Gate, Role::Up, Role::Down];
         // Roles may name one tensor twice (a non-sandwich model's FFN norm is its post-attention norm).
         let layer_bytes = |l: usize| {
-            let mut names: Vec<(String, Role)> = layer_roles.iter().map(|r| (self.weights.name(*r, l), *r)).collect();
-            names.sort_by(|a, b| a.0.cmp(&b.0));
-            names.dedup_by(|a, b| a.0 == b.0);
-            names.iter().map(|(_, r)| self.weights.stored_bytes(*r, l)).sum::<u64>()
+            let tensors: std::collections::BTreeMap<String, Role> = layer_roles.iter().map(|r| (self.weights.name(*r, l), *r)).collect();
+            tensors.values().map(|r| self.weights.stored_bytes(*r, l)).sum::<u64>()
         };
         let per_layer = (0..self.spec.num_layers).map(layer_bytes).max().unwrap_or(0);
         let embedding = self.weights.stored_bytes(Role::Embed, 0);

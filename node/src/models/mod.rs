@@ -6,6 +6,7 @@
 //! `id` holds the one naming rule that the engine and the API share.
 
 pub mod catalogue;
+pub mod footprint;
 pub mod hub;
 pub mod id;
 pub mod peer;
@@ -18,6 +19,7 @@ use std::path::PathBuf;
 
 pub use progress::{Phase, Progress, Transfer, TransferView};
 pub use pull::{pull, PullOutcome, PullRequest, Sources};
+pub use footprint::footprint;
 pub use store::{LocalModel, Manifest, ModelDetails, Store};
 
 /// Why finding, fetching or storing a model failed.

@@ -50,6 +50,8 @@ impl LocalModel {
 pub struct ModelDetails {
     pub family: Option<String>,
     pub layers: Option<usize>,
+    /// What placing it takes, with the KV cache reserved for the store's context limit.
+    pub footprint: Option<crate::cluster::ModelFootprint>,
 }
 
 /// One file of a model, as verified.
@@ -102,6 +104,8 @@ pub struct Store {
     extra: Vec<PathBuf>,
     details: Mutex<HashMap<FileKey, ModelDetails>>,
     hashes: Mutex<HashMap<FileKey, String>>,
+    /// The node's `--context`: the KV cache a model's footprint reserves is sized for it.
+    context_limit: Option<usize>,
 }
 
 impl Store {
@@ -121,7 +125,13 @@ impl Store {
 
     /// A store with explicit roots and nothing from the environment (tests, tools).
     pub fn with_roots(models_dir: PathBuf, read_only: Vec<PathBuf>, extra: Vec<PathBuf>) -> Self {
-        Store { models_dir, read_only, extra, details: Mutex::new(HashMap::new()), hashes: Mutex::new(HashMap::new()) }
+        Store { models_dir, read_only, extra, details: Mutex::new(HashMap::new()), hashes: Mutex::new(HashMap::new()), context_limit: None }
+    }
+
+    /// The same store for a node serving with `--context` (see `ModelDetails::footprint`).
+    pub fn with_context_limit(mut self, context_limit: Option<usize>) -> Self {
+        self.context_limit = context_limit;
+        self
     }
 
     /// `<data dir>/models`, where pulls and imports go.
@@ -172,7 +182,7 @@ impl Store {
             return d.clone();
         }
         let details = match ModelSource::open(&model.path) {
-            Ok(source) => ModelDetails { family: Some(source.spec.family.name().to_string()), layers: Some(source.spec.num_layers) },
+            Ok(source) => ModelDetails { family: Some(source.spec.family.name().to_string()), layers: Some(source.spec.num_layers), footprint: Some(super::footprint(&model.id, &source, self.context_limit)) },
             Err(e) => {
                 tracing::warn!(path = %model.path.display(), error = %e, "model header unreadable");
                 ModelDetails::default()

@@ -19,9 +19,9 @@ use super::entry::{self, GenerateRequest, TokenEvent};
 use super::forward::{self, HopContext};
 use super::tp_group::{self, DataplaneConfig, GroupOrder, LinkBook};
 use super::SwarmError;
-use crate::cluster::{ClusterConfig, ClusterEvent, ClusterState, Epoch, Input, ModelFootprint, NodeAdvert, Output, Plan, Strategy, TpUnits};
+use crate::cluster::{ClusterConfig, ClusterEvent, ClusterState, Epoch, Input, ModelFootprint, NodeAdvert, Output, Plan, Strategy};
 use crate::dataplane::LinkGroup;
-use crate::engine::tp::{TpMember, TpShape, TpSlice};
+use crate::engine::tp::{TpMember, TpSlice};
 use crate::engine::model::ModelSource;
 use crate::engine::stage_host::StageHost;
 use crate::engine::LayerRange;
@@ -397,12 +397,7 @@ impl Coordinator {
 /// reserves when served with `context_limit`.
 fn footprint(model: &str, path: &std::path::Path, context_limit: Option<usize>) -> Result<ModelFootprint, SwarmError> {
     let source = ModelSource::open(path).map_err(|e| SwarmError::Model { model: model.to_string(), reason: e.to_string() })?;
-    let (bytes_per_layer, embedding_bytes, head_bytes) = source.footprint_bytes();
-    let kv_bytes_per_layer = source.kv_reserve_per_layer(context_limit);
-    // A model whose header does not say how it splits is placed only whole or by layers.
-    let (heads, ffn) = TpShape::of(&source.weights, &source.spec).map(|s| s.units()).unwrap_or((0, 0));
-    let dense_half = source.weights.dense_half();
-    Ok(ModelFootprint { model: model.to_string(), layers: source.spec.num_layers, bytes_per_layer, kv_bytes_per_layer, dense_half, embedding_bytes, head_bytes, tp: TpUnits { heads, ffn }, strategy: None })
+    Ok(crate::models::footprint(model, &source, context_limit))
 }
 
 pub(super) fn peer_of(node: &str) -> Option<PeerId> {
