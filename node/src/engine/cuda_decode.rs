@@ -469,11 +469,6 @@ fn strided_rows(t: &Tensor) -> Result<Option<(u64, usize, usize, usize)>> {
     Ok(Some((base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64, lead.iter().product(), cols, strides[rank - 2])))
 }
 
-/// `SHOAL_PROMPT_KERNELS=candle`: candle's ops for prompts' softmax and gated product (an A/B aid).
-fn candle_prompt_ops() -> bool {
-    std::env::var("SHOAL_PROMPT_KERNELS").is_ok_and(|v| v == "candle")
-}
-
 /// The `attention_softmax_*` or `gated_product_*` instance for `dtype`.
 fn prompt_kernel(cuda: &candle_core::CudaDevice, name: &str, dtype: DType) -> Result<CudaFunction> {
     let suffix = match dtype {
@@ -492,7 +487,7 @@ fn prompt_kernel(cuda: &candle_core::CudaDevice, name: &str, dtype: DType) -> Re
 /// pass for what candle's ops did in four plus a mask built per layer). None off a GPU.
 pub fn attention_softmax(scores: &Tensor, t: usize, start: usize, first_key: usize, window: Option<usize>, scale: f64, softcap: Option<f64>) -> Result<Option<Tensor>> {
     let Device::Cuda(cuda) = scores.device() else { return Ok(None) };
-    if candle_prompt_ops() || !scores.is_contiguous() {
+    if !scores.is_contiguous() {
         return Ok(None);
     }
     let Some((ptr, rows, keys, _)) = strided_rows(scores)? else { return Ok(None) };
@@ -517,7 +512,7 @@ pub fn attention_softmax(scores: &Tensor, t: usize, start: usize, first_key: usi
 /// contiguous tensor of their shape. None off a GPU or for other layouts.
 pub fn gated_product(gate: &Tensor, up: &Tensor, act: Activation) -> Result<Option<Tensor>> {
     let Device::Cuda(cuda) = gate.device() else { return Ok(None) };
-    if candle_prompt_ops() || gate.shape() != up.shape() || gate.dtype() != up.dtype() {
+    if gate.shape() != up.shape() || gate.dtype() != up.dtype() {
         return Ok(None);
     }
     let (Some((g, rows, cols, gs)), Some((u, _, _, us))) = (strided_rows(gate)?, strided_rows(up)?) else { return Ok(None) };

@@ -385,13 +385,9 @@ impl Attention {
         let q = q.reshape((b, kv_heads, rep * t, self.head_dim))?;
         let mut scores = q.matmul(&k_all.t()?)?;
         clock.mark(dev, "scores");
-        // On a GPU one kernel scales, caps, masks and normalizes the rows (query-fastest: row r
-        // is query r % t); elsewhere candle's ops do it step by step.
-        #[cfg(feature = "cuda")]
-        let fused = super::cuda_decode::attention_softmax(&scores, t, start, first_key, self.window, self.scale, self.softcap)?;
-        #[cfg(not(feature = "cuda"))]
-        let fused: Option<Tensor> = None;
-        let probs = match fused {
+        // Rows are query-fastest: row r is query r % t.
+        let visibility = kernels::softmax::Visibility { t, start, first_key, window: self.window };
+        let probs = match fused_softmax(&scores, visibility, self.scale, self.softcap)? {
             Some(probs) => probs,
             None => {
                 scores = (scores * self.scale)?;
@@ -444,6 +440,33 @@ impl Attention {
         drop((ks, vs));
         Ok(Some(Tensor::from_vec(out, (1, 1, self.num_heads * self.head_dim), q.device())?.to_dtype(q.dtype())?))
     }
+}
+
+/// `SHOAL_PROMPT_KERNELS=candle`: candle's ops for prompts' softmax and gated product instead
+/// of shoal's one-pass kernels (an A/B aid).
+fn candle_prompt_ops() -> bool {
+    static CANDLE: std::sync::LazyLock<bool> = std::sync::LazyLock::new(|| std::env::var("SHOAL_PROMPT_KERNELS").is_ok_and(|v| v == "candle"));
+    *CANDLE
+}
+
+/// A prompt's raw attention scores `(.., rows, keys)` as probabilities in one pass where shoal
+/// has a kernel for their device (`kernels::softmax` on the CPU, `cuda_decode::attention_softmax`
+/// on a GPU); None where none applies, and the caller takes candle's ops with `attention_mask`.
+fn fused_softmax(scores: &Tensor, visibility: kernels::softmax::Visibility, scale: f64, softcap: Option<f64>) -> Result<Option<Tensor>> {
+    if candle_prompt_ops() {
+        return Ok(None);
+    }
+    if scores.device().is_cpu() {
+        if scores.dtype() != DType::F32 || !scores.is_contiguous() {
+            return Ok(None);
+        }
+        let op = kernels::softmax::PromptSoftmaxOp { vis: visibility, scale: scale as f32, softcap: softcap.map(|c| c as f32) };
+        return Ok(Some(scores.apply_op1_no_bwd(&op)?));
+    }
+    #[cfg(feature = "cuda")]
+    return super::cuda_decode::attention_softmax(scores, visibility.t, visibility.start, visibility.first_key, visibility.window, scale, softcap);
+    #[cfg(not(feature = "cuda"))]
+    Ok(None)
 }
 
 /// Additive mask `(t, keys)` for queries at `[start, start + t)` over keys `[first_key, first_key + keys)`,
@@ -501,7 +524,7 @@ impl Mlp {
             return self.down.forward(&h);
         }
         #[cfg(feature = "cuda")]
-        let fused = super::cuda_decode::gated_product(&gate, &up, self.activation)?;
+        let fused = if candle_prompt_ops() { None } else { super::cuda_decode::gated_product(&gate, &up, self.activation)? };
         #[cfg(not(feature = "cuda"))]
         let fused: Option<Tensor> = None;
         let h = match fused {

@@ -4,7 +4,7 @@
 //! share it, so each cache row is read once per run and nothing is copied or expanded; tasks are
 //! shared out over the kernel `pool`, and the loops vectorize with AVX2 where the CPU has it.
 //! It does not mask (one query sees every key it is given) and does not handle prompts: those
-//! go through candle's batched matmuls.
+//! go through candle's batched matmuls and `softmax`.
 
 use std::ops::Range;
 

@@ -12,6 +12,7 @@ pub mod gated;
 #[cfg(target_arch = "aarch64")]
 pub mod neon;
 pub mod pool;
+pub mod softmax;
 pub mod portable;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
