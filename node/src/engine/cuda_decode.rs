@@ -372,11 +372,16 @@ fn driver(e: impl std::fmt::Display) -> EngineError {
 
 /// The device address of a contiguous CUDA tensor's first element.
 fn tensor_ptr(t: &Tensor) -> Result<u64> {
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cuda(cs) = &*storage else { return Err(unsupported("tensor is not on a CUDA device")) };
-    if !layout.is_contiguous() {
+    if !t.is_contiguous() {
         return Err(unsupported("tensor is not contiguous"));
     }
+    element_ptr(t)
+}
+
+/// The device address of a CUDA tensor's first element, whatever its layout.
+fn element_ptr(t: &Tensor) -> Result<u64> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*storage else { return Err(unsupported("tensor is not on a CUDA device")) };
     let stream = cs.device.cuda_stream();
     let base = match t.dtype() {
         DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
@@ -457,16 +462,10 @@ fn strided_rows(t: &Tensor) -> Result<Option<(u64, usize, usize, usize)>> {
     if rank < 2 || strides[rank - 1] != 1 || (0..rank - 2).any(|d| strides[d] != strides[d + 1] * dims[d + 1]) {
         return Ok(None);
     }
-    let (storage, layout) = t.storage_and_layout();
-    let Storage::Cuda(cs) = &*storage else { return Ok(None) };
-    let stream = cs.device.cuda_stream();
-    let base = match t.dtype() {
-        DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(&stream).0,
-        DType::F16 => cs.as_cuda_slice::<half::f16>()?.device_ptr(&stream).0,
-        DType::BF16 => cs.as_cuda_slice::<half::bf16>()?.device_ptr(&stream).0,
-        _ => return Ok(None),
-    };
-    Ok(Some((base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64, lead.iter().product(), cols, strides[rank - 2])))
+    if !t.device().is_cuda() || !matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        return Ok(None);
+    }
+    Ok(Some((element_ptr(t)?, lead.iter().product(), cols, strides[rank - 2])))
 }
 
 /// The `attention_softmax_*` or `gated_product_*` instance for `dtype`.
