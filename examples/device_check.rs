@@ -6,9 +6,11 @@
 //!     their own type on a GPU, with every greedy token equal;
 //!   device_check same <model> [--device cuda] [--tokens 16] [--prompt TEXT]
 //!     greedy tokens on the device equal those on the CPU;
-//!   device_check fused <model> [--device cuda] [--tokens 32] [--prompt TEXT] [--int8]
+//!   device_check fused <model> [--device cuda] [--tokens 32] [--prompt TEXT] [--context N] [--int8]
 //!     the fused one-token GPU step (`cuda_decode`) against candle's ops on the same device, fed
 //!     the same tokens: largest logit difference (within 2% of the logit range) and top-1 ids;
+//!     `--context N` repeats the prompt to N tokens first (attention over a long cache, which the
+//!     fused step splits over several blocks a head);
 //!     quantized weights are compared with candle's f32-activation kernels, which the fused step
 //!     matches with `SHOAL_FUSED_RING=0`. `--int8`: the fused step's Q4_K and Q6_K rows take int8
 //!     activations, so it must only be as close to that f32 result as candle's own
@@ -210,6 +212,12 @@ fn main() -> anyhow::Result<()> {
                 bail!("{model}: no fused decode step on this device (see the log for why)");
             }
             let ids = m.text.encode_prompt(&prompt)?;
+            // `--context N`: the prompt repeated to N tokens, so that decode attends over a long
+            // cache (the fused step then splits each head's keys over several blocks).
+            let ids: Vec<u32> = match flag(&args, "--context").map(|t| t.parse::<usize>()).transpose()? {
+                Some(n) => ids.iter().copied().cycle().take(n.max(ids.len())).collect(),
+                None => ids,
+            };
             // The fused step picks the tokens; candle's ops are fed the same ones.
             let run = |fused: bool, feed: Option<&[u32]>| -> anyhow::Result<(Vec<u32>, Vec<Vec<f32>>)> {
                 m.shard.set_fused_decode(fused);
@@ -300,7 +308,7 @@ fn main() -> anyhow::Result<()> {
             for dtype in [GgmlDType::Q4K, GgmlDType::Q6K] {
                 let q = QTensor::quantize(&dense.to_device(device.candle())?, dtype)?;
                 let expected: Vec<half::f16> = q.dequantize(&candle_core::Device::Cpu)?.to_dtype(candle_core::DType::F16)?.flatten_all()?.to_vec1()?;
-                let got: Vec<half::f16> = shoal::engine::cuda_decode::with_dequantized_f16(&q, |dense| Ok(dense.flatten_all()?.to_vec1()?))?.context("no kernel for this format")?;
+                let got: Vec<half::f16> = shoal::engine::cuda_decode::with_dequantized_f16(&[&q], |dense| Ok(dense.flatten_all()?.to_vec1()?))?.context("no kernel for this format")?;
                 let differ = expected.iter().zip(&got).filter(|(a, b)| a.to_bits() != b.to_bits()).count() + expected.len().abs_diff(got.len());
                 // Milliseconds a matrix, the mean of 20 after one warm-up, each way.
                 let time = |f: &dyn Fn() -> anyhow::Result<()>| -> anyhow::Result<f64> {
@@ -313,7 +321,7 @@ fn main() -> anyhow::Result<()> {
                     device.synchronize()?;
                     Ok(start.elapsed().as_secs_f64() * 1e3 / 20.0)
                 };
-                let ms = time(&|| Ok(shoal::engine::cuda_decode::with_dequantized_f16(&q, |_| Ok(()))?.context("no kernel")?))?;
+                let ms = time(&|| Ok(shoal::engine::cuda_decode::with_dequantized_f16(&[&q], |_| Ok(()))?.context("no kernel")?))?;
                 let candle_ms = time(&|| Ok(drop(q.dequantize_f16(device.candle())?)))?;
                 let bytes = q.storage_size_in_bytes() + rows * cols * 2;
                 let ok = differ == 0;
@@ -325,6 +333,15 @@ fn main() -> anyhow::Result<()> {
                 );
                 failures += usize::from(!ok);
             }
+            // Matrices with one input (q/k/v, gate/up) stacked by rows: each lands as it would alone.
+            let cpu = candle_core::Device::Cpu;
+            let (a, b) = (dense.narrow(0, 0, 1024)?, dense.narrow(0, 1024, 512)?);
+            let (a, b) = (QTensor::quantize(&a.to_device(device.candle())?, GgmlDType::Q4K)?, QTensor::quantize(&b.to_device(device.candle())?, GgmlDType::Q6K)?);
+            let expected: Vec<half::f16> = candle_core::Tensor::cat(&[a.dequantize(&cpu)?, b.dequantize(&cpu)?], 0)?.to_dtype(candle_core::DType::F16)?.flatten_all()?.to_vec1()?;
+            let (dims, got) = shoal::engine::cuda_decode::with_dequantized_f16(&[&a, &b], |d| Ok((d.dims2()?, d.flatten_all()?.to_vec1::<half::f16>()?)))?.context("no kernel for these formats")?;
+            let ok = dims == (1536, cols) && got.len() == expected.len() && got.iter().zip(&expected).all(|(x, y)| x.to_bits() == y.to_bits());
+            println!("{} dequant Q4K 1024x{cols} and Q6K 512x{cols} stacked: {dims:?}, {} the CPU's", if ok { "PASS" } else { "FAIL" }, if ok { "equal to" } else { "DIFFERENT from" });
+            failures += usize::from(!ok);
             // The scratch (as large as that matrix in f16) goes back when no model needs it.
             device.synchronize()?;
             let before = device.gpu_memory_free().context("no GPU memory figure")?;
@@ -470,7 +487,7 @@ fn main() -> anyhow::Result<()> {
             );
             failures += usize::from(!ok);
         }
-        _ => bail!("usage: device_check fixtures <dir> | same|fused|prompt|interleave|time|chain <model> [--device cuda] [--tokens N] [--prompt TEXT] | sample [--draws N]"),
+        _ => bail!("usage: device_check fixtures <dir> | same|fused|prompt|interleave|time|chain <model> [--device cuda] [--tokens N] [--prompt TEXT] [--context N] | sample [--draws N]"),
     }
     if failures > 0 {
         bail!("{failures} check(s) failed");

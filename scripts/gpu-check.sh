@@ -5,7 +5,8 @@
 # and tokenizer.json travel.
 #   scripts/gpu-check.sh fidelity [fixtures]   fixtures vs transformers on the GPU; Qwen2.5-1.5B-shaped
 #                                   f16 and Q4_K_M: 16 greedy tokens on the GPU equal the CPU's
-#                                   (f16), the fused decode step agrees with candle's ops; decoding
+#                                   (f16), the fused decode step agrees with candle's ops (also
+#                                   over a 3,000-token cache, attention split over blocks); decoding
 #                                   with the GPU picking each token gives the host loop's; two
 #                                   sequences decoded turn about equal each decoded alone; a
 #                                   600-token Q4_K_M prompt dequantized to f16 is at least as
@@ -15,7 +16,8 @@
 #   scripts/gpu-check.sh bench [SHAPE...]   shoal bench (f16, Q4_K_M) vs transformers f16 on the
 #                                   same GPU, one run, printed as a table; shapes q15 (Qwen2.5-1.5B),
 #                                   q7 (Qwen2.5-7B; these two by default), q05 (0.5B), q3 (3B), l8
-#                                   (Llama-3-8B)
+#                                   (Llama-3-8B); each model's decode also after DEPTH (4096)
+#                                   tokens of context (rows "@4096", KV cache bytes counted)
 #   scripts/gpu-check.sh swarm      a CUDA node and two CPU-only nodes (network namespaces when
 #                                   `ip netns` works, loopback otherwise) serve one model; the
 #                                   plan and the output are compared with one node
@@ -94,6 +96,11 @@ fidelity() {
   "$CHECK" interleave "$WORK/q15-q4km/model.gguf" --device cuda --tokens 64 || fail=1
   # Prompts of 128 tokens and more multiply quantized matrices dequantized to f16 (cuBLAS).
   "$CHECK" prompt "$WORK/q15-q4km/model.gguf" --device cuda --tokens 600 || fail=1
+  # Decode over a long cache: each head's keys split over several blocks, merged by the last to
+  # finish (3,000 keys: 8 splits of 376); then splits of at least 32 keys (16 of 44, the last 41).
+  "$CHECK" fused "$WORK/q15-f16" --device cuda --tokens 16 --context 3000 || fail=1
+  SHOAL_FUSED_RING=0 "$CHECK" fused "$WORK/q15-q4km/model.gguf" --device cuda --tokens 16 --context 3000 || fail=1
+  SHOAL_FUSED_ATTEND_SPLIT_KEYS=32 "$CHECK" fused "$WORK/q15-f16" --device cuda --tokens 16 --context 700 || fail=1
 }
 
 bench() { # bench [SHAPE...]: which model shapes (q15, q7, q05, q3, l8; default q15 q7)
@@ -106,6 +113,9 @@ bench() { # bench [SHAPE...]: which model shapes (q15, q7, q05, q3, l8; default 
   : > "$OUT/bench.jsonl"
   for m in "${runs[@]}"; do
     "$BIN" bench --model "$WORK/$m" --device cuda --json | sed "s/^{/{\"name\":\"shoal $m\",/" >> "$OUT/bench.jsonl" || fail=1
+    # Decode after a long context (DEPTH tokens, 4,096 by default): the roofline counts the KV
+    # cache read too; no transformers figure beside it.
+    "$BIN" bench --model "$WORK/$m" --device cuda --json --prompt-tokens 16 --gen-tokens 64 --depth "${DEPTH:-4096}" | sed "s/^{/{\"name\":\"shoal $m @${DEPTH:-4096}\",/" >> "$OUT/bench.jsonl" || fail=1
     case $m in *-f16) python3 "$here/scripts/bench-transformers.py" --model "$WORK/$m" | sed "s/^{/{\"name\":\"transformers $m\",/" >> "$OUT/bench.jsonl" || fail=1 ;; esac
   done
   python3 - "$OUT/bench.jsonl" <<'PY'
@@ -115,8 +125,8 @@ by = {r["name"]: r for r in rows}
 print(f"{'run':28} {'prompt tok/s':>12} {'decode tok/s':>12} {'MB/token':>9} {'roofline':>8} {'vs transformers':>16}")
 for r in rows:
     base = by.get("transformers " + r["name"].split()[1].replace("q4km", "f16"))
-    ratio = f"{r['decode_tok_s']/base['decode_tok_s']:.2f}x / {r['prefill_tok_s']/base['prefill_tok_s']:.2f}x" if base and r is not base else ""
-    mb = f"{r['bytes_per_token']/1e6:.0f}" if "bytes_per_token" in r else ""
+    ratio = f"{r['decode_tok_s']/base['decode_tok_s']:.2f}x / {r['prefill_tok_s']/base['prefill_tok_s']:.2f}x" if base and r is not base and r.get("depth", 0) < 16 else ""
+    mb = f"{(r['bytes_per_token'] + r.get('kv_bytes_per_token', 0))/1e6:.0f}" if "bytes_per_token" in r else ""
     roof = f"{r['roofline_fraction']:.2f}" if "roofline_fraction" in r else ""
     print(f"{r['name']:28} {r['prefill_tok_s']:12.1f} {r['decode_tok_s']:12.1f} {mb:>9} {roof:>8} {ratio:>16}")
 if rows and "mem_bw_bytes_s" in rows[0]:

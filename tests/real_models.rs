@@ -11,6 +11,7 @@ use serde::Deserialize;
 use shoal::engine::generate::Prompt;
 use shoal::engine::text::ChatMessage;
 use shoal::engine::sampler::argmax;
+use shoal::engine::model::ModelSource;
 use shoal::engine::{LoadOptions, LoadedModel, SamplingParams, ShardInput, ShardOutput};
 
 use crate::util::{generate_ids, real_model, repo_root, run_shoal};
@@ -137,7 +138,7 @@ fn gguf_without_tokenizer_json_uses_its_own_vocabulary() {
 fn shoal_bench_reports_every_figure_as_json_and_refuses_a_prompt_past_the_context() {
     let model = real_model("gemma3-270m").join("model.gguf");
     let m = model.to_str().unwrap();
-    let args = ["bench", "--model", m, "--threads", "2", "--prompt-tokens", "32", "--gen-tokens", "8", "--repetitions", "1", "--json"];
+    let args = ["bench", "--model", m, "--threads", "2", "--prompt-tokens", "32", "--gen-tokens", "8", "--depth", "40", "--repetitions", "1", "--json"];
     let out = run_shoal(&args, Duration::from_secs(120));
     assert!(out.status.success(), "shoal bench failed: {}", String::from_utf8_lossy(&out.stderr));
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON object on stdout");
@@ -147,6 +148,12 @@ fn shoal_bench_reports_every_figure_as_json_and_refuses_a_prompt_past_the_contex
     }
     assert_eq!(report["prompt_tokens"], 32, "{report}");
     assert_eq!(report["gen_tokens"], 8, "{report}");
+    // Decode ran after 40 tokens of context, and the roofline counts the f32 cache it read: on
+    // average the 40 positions and half of the 8 generated, over every layer's keys and values.
+    assert_eq!(report["depth"], 40, "{report}");
+    let spec = ModelSource::open(&model).expect("model").spec;
+    let per_position = (spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4) as u64;
+    assert_eq!(report["kv_bytes_per_token"].as_u64(), Some(per_position * (40 + 4)), "{report}");
     // One bandwidth probe before the decode run and one after it, and the run's own roofline.
     assert_eq!(report["mem_bw_runs"].as_array().map(Vec::len), Some(2), "{report}");
     assert_eq!(report["roofline_runs"].as_array().map(Vec::len), Some(1), "{report}");

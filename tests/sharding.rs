@@ -148,6 +148,7 @@ fn placement_counts_the_weights_a_cpu_shard_really_holds() {
         let source = ModelSource::open(&path).expect("model");
         let footprint = shoal::models::footprint(name, &source, None);
         assert_eq!(footprint.dense_half, half, "{name}");
+        assert_eq!(footprint.quantized, name.contains("Q4_K"), "{name}");
         let shard = source.load_shard(LayerRange::full(source.spec.num_layers), &Device::Cpu).expect("load");
         let held = footprint.held_on(false);
         let counted = held.bytes_per_layer * footprint.layers as u64 + held.head_bytes;

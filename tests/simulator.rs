@@ -328,7 +328,7 @@ fn auto_placement_follows_the_measured_link_and_ignores_jitter() {
         wants,
         plan: None,
     };
-    let seven_b = ModelFootprint { model: "7b".into(), layers: 28, bytes_per_layer: 233 << 20, kv_bytes_per_layer: 0, dense_half: false, embedding_bytes: 545 << 20, head_bytes: 545 << 20, tp: TpUnits { heads: 4, ffn: 8 }, strategy: None };
+    let seven_b = ModelFootprint { model: "7b".into(), layers: 28, bytes_per_layer: 233 << 20, kv_bytes_per_layer: 0, dense_half: false, quantized: false, embedding_bytes: 545 << 20, head_bytes: 545 << 20, tp: TpUnits { heads: 4, ffn: 8 }, strategy: None };
     let mut a = ClusterState::new(node("a", vec![]), ClusterConfig::TEST, 0);
     let mut now = 1_000;
     a.handle(Input::Connected("b".into()), now);

@@ -1582,6 +1582,10 @@ struct AttnArgs {
     int tagged;            // 1: qkv is tagged (read as it arrives, no wait) and so is out
     const unsigned long long* tag;  // as in MvArgs
     int out_q8;            // 1 (tagged only): out as int8 for o's int8 instance (`store_q8_tagged`)
+    int splits;            // blocks a head (the grid is heads·splits); 1: one block a head
+    int split_keys;        // fewest keys a split takes (splits > 1)
+    float* partial;        // heads·splits·(d + 2): each split's unnormalized values, max, sum
+    unsigned* count;       // heads: splits of this step done (the last one resets it to 0)
 };
 
 __device__ __forceinline__ void cache_store(void* c, int fmt, size_t i, float v) {
@@ -1645,6 +1649,7 @@ __device__ __forceinline__ void softmax_merge(float& m, float& l, float* o, floa
 
 #define ATTN_MAX_D 256
 #define ATTN_MAX_WARPS 16  // 512 threads (the launch bound; its registers allow no more)
+#define ATTN_MAX_SPLITS 32  // merged by one warp, a lane a split
 #define ATTN_UNROLL 4  // warp steps whose loads are in flight together
 #define LOG2E 1.4426950408889634f  // exp(x) = exp2(x * LOG2E)
 
@@ -1659,6 +1664,11 @@ __device__ __forceinline__ void softmax_merge(float& m, float& l, float* o, floa
 // depends on no earlier kernel is done before waiting for q/k/v: the position's rotation, and the
 // loads of each warp's first ATTN_UNROLL steps of cached keys and values (a context of up to 128
 // keys for d = 128).
+// A long context is split over several blocks a head (flash-decoding): `a.splits` blocks a head
+// in the grid, of which as many take a near-equal run of the visible keys as give each at least
+// `a.split_keys` (the rest end at once). Each writes its warps' merged state unnormalized, with
+// its max and sum, to `a.partial`; the last of a head's splits to finish (a counter) merges
+// them and writes the head's values as one block does alone.
 extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
     __shared__ float q[ATTN_MAX_D], kn[ATTN_MAX_D], vn[ATTN_MAX_D];
     __shared__ float rope_cos[ATTN_MAX_D / 2], rope_sin[ATTN_MAX_D / 2];
@@ -1666,20 +1676,30 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
     __shared__ float wmax[ATTN_MAX_WARPS], wsum[ATTN_MAX_WARPS];
     trace_mark(a.trace, &trace_started);
     allow_next_kernel();
-    int h = blockIdx.x, d = a.d;
+    int splits = a.splits > 1 ? a.splits : 1;
+    int h = blockIdx.x / splits, split = blockIdx.x % splits, d = a.d;
     int rep = a.heads / a.kv_heads, kvh = h / rep;
     // Written before the step's first kernel, not by the previous one.
     int pos = (int)*a.pos;
     unsigned tag = a.tagged ? (unsigned)*a.tag : 0u;
     const KvSlot cache = *a.kv;
     int first = (a.window > 0 && pos + 1 > a.window) ? pos + 1 - a.window : 0;
+    // This block's keys: [lo, lo + nkeys), a near-equal share of the visible ones.
+    int visible = pos + 1 - first;
+    int want = splits > 1 ? min(splits, max(1, (visible + a.split_keys - 1) / max(a.split_keys, 1))) : 1;
+    int chunk = (visible + want - 1) / want, used = (visible + chunk - 1) / chunk;
+    if (split >= used) {
+        trace_block(a.trace, a.launch);
+        return;
+    }
+    int lo = first + split * chunk, nkeys = min(chunk, pos + 1 - lo);
     size_t head_base = (size_t)kvh * cache.capacity * d;
-    // The cached keys and values this head will read depend on no earlier kernel: pull them
+    // The cached keys and values this block will read depend on no earlier kernel: pull them
     // into L2 while that kernel finishes.
     {
-        size_t esize = a.cache_fmt == FMT_F32 ? 4 : 2, bytes = (size_t)(pos - first) * d * esize;
-        const uint8_t* kp = reinterpret_cast<const uint8_t*>(cache.k) + (head_base + (size_t)first * d) * esize;
-        const uint8_t* vp = reinterpret_cast<const uint8_t*>(cache.v) + (head_base + (size_t)first * d) * esize;
+        size_t esize = a.cache_fmt == FMT_F32 ? 4 : 2, bytes = (size_t)max(0, min(lo + nkeys, pos) - lo) * d * esize;
+        const uint8_t* kp = reinterpret_cast<const uint8_t*>(cache.k) + (head_base + (size_t)lo * d) * esize;
+        const uint8_t* vp = reinterpret_cast<const uint8_t*>(cache.v) + (head_base + (size_t)lo * d) * esize;
         for (size_t off = (size_t)threadIdx.x * 128; off < bytes; off += (size_t)blockDim.x * 128) {
             asm volatile("prefetch.global.L2 [%0];" ::"l"(kp + off));
             asm volatile("prefetch.global.L2 [%0];" ::"l"(vp + off));
@@ -1691,14 +1711,14 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
     while (group * 8 < d) group <<= 1;
     int per_step = 32 / group, grp = lane / group, col = (lane % group) * 8;
     bool active = col < d;
-    int nkeys = pos + 1 - first, stride = warps * per_step;
+    int stride = warps * per_step;
     // Cached keys and values of ATTN_UNROLL warp steps from `base` (zeros past the end and for
     // this step's key, which the loop takes from shared memory).
     float kv[ATTN_UNROLL][8], vv[ATTN_UNROLL][8];
     auto load_steps = [&](int base) {
 #pragma unroll
         for (int u = 0; u < ATTN_UNROLL; u++) {
-            int t = base + u * stride + grp, key = first + t;
+            int t = base + u * stride + grp, key = lo + t;
             if (active && t < nkeys && key != pos) {
                 cache_load8(cache.k, a.cache_fmt, head_base + (size_t)key * d + col, kv[u]);
                 cache_load8(cache.v, a.cache_fmt, head_base + (size_t)key * d + col, vv[u]);
@@ -1729,7 +1749,7 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
     }
     __syncthreads();
     trace_mark(a.trace, &trace_ready);
-    if (h % rep == 0) {
+    if (h % rep == 0 && split == 0) {
         for (int i = threadIdx.x; i < d; i += blockDim.x) {
             cache_store(cache.k, a.cache_fmt, head_base + (size_t)pos * d + i, kn[i]);
             cache_store(cache.v, a.cache_fmt, head_base + (size_t)pos * d + i, vn[i]);
@@ -1744,7 +1764,7 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
         if (base != warp * per_step) load_steps(base);  // the first steps are loaded
 #pragma unroll
         for (int u = 0; u < ATTN_UNROLL; u++) {
-            if (active && first + base + u * stride + grp == pos) {
+            if (active && lo + base + u * stride + grp == pos) {
 #pragma unroll
                 for (int e = 0; e < 8; e++) {
                     kv[u][e] = kn[col + e];
@@ -1806,8 +1826,8 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
     }
     __syncthreads();
     // Each warp's weight once (a lane a warp), then every column a sum of products.
-    __shared__ float wweight[ATTN_MAX_WARPS];
-    __shared__ float wden;
+    __shared__ float wweight[ATTN_MAX_WARPS > ATTN_MAX_SPLITS ? ATTN_MAX_WARPS : ATTN_MAX_SPLITS];
+    __shared__ float wden, wtop;
     if (warp == 0) {
         float mw = lane < warps ? wmax[lane] : -INFINITY, mx = mw;
 #pragma unroll
@@ -1815,25 +1835,67 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
         float c = mw != -INFINITY ? exp2f((mw - mx) * LOG2E) : 0.f;
         if (lane < warps) wweight[lane] = c;
         float den = warp_sum(lane < warps ? wsum[lane] * c : 0.f);
-        if (lane == 0) wden = den;
+        if (lane == 0) wden = den, wtop = mx;
     }
     __syncthreads();
-    auto value = [&](int i) {
+    auto numerator = [&](int i) {
         // Four independent sums (the warps' loads in flight together, not one chain of 16).
         float nums[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int w = 0; w < ATTN_MAX_WARPS; w++)
             if (w < warps) nums[w & 3] = fmaf(part[w][i], wweight[w], nums[w & 3]);
-        return ((nums[0] + nums[1]) + (nums[2] + nums[3])) / wden;
+        return (nums[0] + nums[1]) + (nums[2] + nums[3]);
     };
-    if (a.out_q8) {
-        for (int g = warp; g < d / 32; g += warps) store_q8_tagged(a.out, a.heads * d, h * d + 32 * g, value(32 * g + lane), tag);
-    } else {
-        for (int i = threadIdx.x; i < d; i += blockDim.x) {
-            if (a.tagged) store_tagged(a.out, h * d + i, value(i), tag);
-            else a.out[h * d + i] = value(i);
+    auto store_out = [&](auto value) {
+        if (a.out_q8) {
+            for (int g = warp; g < d / 32; g += warps) store_q8_tagged(a.out, a.heads * d, h * d + 32 * g, value(32 * g + lane), tag);
+        } else {
+            for (int i = threadIdx.x; i < d; i += blockDim.x) {
+                if (a.tagged) store_tagged(a.out, h * d + i, value(i), tag);
+                else a.out[h * d + i] = value(i);
+            }
         }
+    };
+    if (used == 1) {
+        store_out([&](int i) { return numerator(i) / wden; });
+        trace_block(a.trace, a.launch);
+        return;
     }
+    // One of several splits: its state to `partial`, made visible before it counts itself.
+    float* parts = a.partial + (size_t)h * splits * (d + 2);
+    float* mine = parts + (size_t)split * (d + 2);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) mine[i] = numerator(i);
+    if (threadIdx.x == 0) mine[d] = wtop, mine[d + 1] = wden;
+    __threadfence();
+    __syncthreads();
+    __shared__ int last;
+    if (threadIdx.x == 0) {
+        last = atomicAdd(a.count + h, 1u) == (unsigned)(used - 1);
+        // Every split of this head has counted itself: ready for the next step.
+        if (last) atomicExch(a.count + h, 0u);
+    }
+    __syncthreads();
+    if (!last) {
+        trace_block(a.trace, a.launch);
+        return;
+    }
+    __threadfence();
+    // The last split merges: each split's weight once (a lane a split), read past L1.
+    if (warp == 0) {
+        float ms = lane < used ? __ldcg(parts + (size_t)lane * (d + 2) + d) : -INFINITY, mx = ms;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        float c = ms != -INFINITY ? exp2f((ms - mx) * LOG2E) : 0.f;
+        if (lane < ATTN_MAX_SPLITS) wweight[lane] = lane < used ? c : 0.f;
+        float den = warp_sum(lane < used ? __ldcg(parts + (size_t)lane * (d + 2) + d + 1) * c : 0.f);
+        if (lane == 0) wden = den;
+    }
+    __syncthreads();
+    store_out([&](int i) {
+        float nums[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int s = 0; s < used; s++) nums[s & 3] = fmaf(__ldcg(parts + (size_t)s * (d + 2) + i), wweight[s], nums[s & 3]);
+        return ((nums[0] + nums[1]) + (nums[2] + nums[3])) / wden;
+    });
     trace_block(a.trace, a.launch);
 }
 

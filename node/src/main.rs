@@ -73,6 +73,10 @@ struct BenchArgs {
     /// Timed runs of each phase; the median is reported.
     #[arg(long, default_value_t = 3)]
     repetitions: usize,
+    /// Tokens of context before each timed decode run (llama-bench's `-d`; 0: a 4-token prompt):
+    /// decode then also reads that much KV cache, which the roofline counts.
+    #[arg(long, default_value_t = 0)]
+    depth: usize,
     /// Print one JSON object instead of text.
     #[arg(long)]
     json: bool,
@@ -314,21 +318,21 @@ fn bench(args: BenchArgs) -> anyhow::Result<()> {
     };
     let device = shoal::engine::device::ComputeDevice::open(args.device.choice)?;
     let model = LoadedModel::load(&path, &LoadOptions { device: device.clone(), ..LoadOptions::default() }).with_context(|| format!("loading {}", path.display()))?;
-    let opts = shoal::engine::bench::BenchOptions { prompt_tokens: args.prompt_tokens, gen_tokens: args.gen_tokens, repetitions: args.repetitions, threads, device: Some(device) };
+    let opts = shoal::engine::bench::BenchOptions { prompt_tokens: args.prompt_tokens, gen_tokens: args.gen_tokens, repetitions: args.repetitions, depth: args.depth, threads, device: Some(device) };
     let r = shoal::engine::bench::run(&model, &opts)?;
     if args.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
         println!("model {} on {} ({} threads)", r.model, r.device, r.threads);
         println!("prompt processing  {:8.1} tok/s  ({} tokens, median of {})", r.prefill_tok_s, r.prompt_tokens, r.prefill_runs.len());
-        println!("decode             {:8.1} tok/s  ({} tokens, median of {})", r.decode_tok_s, r.gen_tokens, r.decode_runs.len());
+        println!("decode             {:8.1} tok/s  ({} tokens after {}, median of {})", r.decode_tok_s, r.gen_tokens, r.depth, r.decode_runs.len());
         println!("peak RSS           {:8.0} MB", r.rss_bytes as f64 / 1e6);
         if r.device == "cpu" {
             println!("memory read        {:8.1} GB/s ({} threads, median of {} probes beside the decode runs)", r.mem_bw_bytes_s / 1e9, r.threads, r.mem_bw_runs.len());
         } else {
             println!("device copy        {:8.1} GB/s (read + write)", r.mem_bw_bytes_s / 1e9);
         }
-        println!("bytes per token    {:8.1} MB", r.bytes_per_token as f64 / 1e6);
+        println!("bytes per token    {:8.1} MB (and {:.1} MB of KV cache)", r.bytes_per_token as f64 / 1e6, r.kv_bytes_per_token as f64 / 1e6);
         println!("decode roofline    {:8.2}", r.roofline_fraction);
     }
     Ok(())

@@ -34,6 +34,9 @@ pub struct ModelFootprint {
     /// keeps them and their KV cache at half width (see `held_on`).
     #[serde(default)]
     pub dense_half: bool,
+    /// Quantized (GGUF) weights: a GPU keeps their KV cache at half width too (see `held_on`).
+    #[serde(default)]
+    pub quantized: bool,
     /// How far the model splits tensor-parallel (see `tensor.rs`).
     #[serde(default)]
     pub tp: super::tensor::TpUnits,
@@ -44,15 +47,15 @@ pub struct ModelFootprint {
 
 impl ModelFootprint {
     /// What a node holds of the model, by the device it computes on (`engine::device::
-    /// compute_dtype`): the bytes as stored and the KV cache in f32, except that a CPU widens
-    /// dense half-precision weights to f32 (twice their bytes) and a GPU keeps such a model's
-    /// KV cache at half width (half the f32 reserve).
+    /// compute_dtype` and `cache_dtype`): the bytes as stored and the KV cache in f32, except
+    /// that a CPU widens dense half-precision weights to f32 (twice their bytes) and a GPU keeps
+    /// the KV cache of such a model, or of a quantized one, at half width (half the f32 reserve).
     pub fn held_on(&self, gpu: bool) -> Held {
         let held = Held { bytes_per_layer: self.bytes_per_layer, kv_bytes_per_layer: self.kv_bytes_per_layer, embedding_bytes: self.embedding_bytes, head_bytes: self.head_bytes };
-        match (self.dense_half, gpu) {
-            (false, _) => held,
+        match (gpu, self.dense_half || self.quantized) {
             (true, true) => Held { kv_bytes_per_layer: self.kv_bytes_per_layer / 2, ..held },
-            (true, false) => Held { bytes_per_layer: 2 * self.bytes_per_layer, embedding_bytes: 2 * self.embedding_bytes, head_bytes: 2 * self.head_bytes, ..held },
+            (false, _) if self.dense_half => Held { bytes_per_layer: 2 * self.bytes_per_layer, embedding_bytes: 2 * self.embedding_bytes, head_bytes: 2 * self.head_bytes, ..held },
+            _ => held,
         }
     }
 
@@ -459,6 +462,11 @@ mod tests {
         let cpu_alone = Placement { strategy: Strategy::Single, stages: vec![Stage { node: "cpu1".into(), start: 0, end: 20, group: vec![] }] };
         let nodes: Vec<&Capacity> = members.iter().collect();
         assert_eq!(token_seconds(&m, &cpu_alone, &nodes), 2.0 * token_seconds(&stored, &cpu_alone, &nodes));
+        // Quantized weights stay as stored everywhere; only a GPU halves their cache.
+        let gguf = ModelFootprint { dense_half: false, quantized: true, ..m.clone() };
+        assert_eq!(gguf.held_on(false), stored.held_on(false));
+        assert_eq!(gguf.held_on(true), Held { kv_bytes_per_layer: gb / 8, ..stored.held_on(true) });
+        assert_eq!(stored.held_on(true).kv_bytes_per_layer, gb / 4, "an f32 checkpoint's cache stays f32 on a GPU");
     }
 
     #[test]

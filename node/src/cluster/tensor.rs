@@ -259,7 +259,7 @@ mod tests {
 
     /// Qwen2.5-7B-like: 28 layers of 233 MB, 14 head groups, 74 MLP blocks.
     fn seven_b(strategy: Option<Strategy>) -> ModelFootprint {
-        ModelFootprint { model: "7b".into(), layers: 28, bytes_per_layer: 233 << 20, kv_bytes_per_layer: 0, dense_half: false, embedding_bytes: 545 << 20, head_bytes: 545 << 20, tp: TpUnits { heads: 14, ffn: 74 }, strategy }
+        ModelFootprint { model: "7b".into(), layers: 28, bytes_per_layer: 233 << 20, kv_bytes_per_layer: 0, dense_half: false, quantized: false, embedding_bytes: 545 << 20, head_bytes: 545 << 20, tp: TpUnits { heads: 14, ffn: 74 }, strategy }
     }
 
     #[test]
@@ -314,7 +314,7 @@ mod tests {
         let two = [cap("a", 16, 20.0), cap("b", 16, 20.0)];
         let p = place_choice(&seven_b(None), &two, LinkCost::LAN).unwrap();
         assert_eq!(p.strategy, Strategy::Tensor, "{p:?}");
-        let tiny = ModelFootprint { model: "tiny".into(), layers: 4, bytes_per_layer: 1 << 20, kv_bytes_per_layer: 0, dense_half: false, embedding_bytes: 1 << 20, head_bytes: 1 << 20, tp: TpUnits { heads: 4, ffn: 4 }, strategy: None };
+        let tiny = ModelFootprint { model: "tiny".into(), layers: 4, bytes_per_layer: 1 << 20, kv_bytes_per_layer: 0, dense_half: false, quantized: false, embedding_bytes: 1 << 20, head_bytes: 1 << 20, tp: TpUnits { heads: 4, ffn: 4 }, strategy: None };
         let p = place_choice(&tiny, &two, LinkCost::LAN).unwrap();
         assert_eq!(p.strategy, Strategy::Single, "all-reduces cost more than a tiny model's compute: {p:?}");
     }

@@ -1,7 +1,9 @@
 //! `shoal bench`'s measurement: prompt processing and greedy decode throughput of a loaded model
 //! (median over repetitions, after a warm-up), peak RSS, the memory-read bandwidth measured with
-//! the same thread count (on a GPU: its device copy rate), and the decode roofline fraction (tok/s × weight bytes read per token ÷
-//! bandwidth). The bandwidth is measured right before and after every decode repetition and each
+//! the same thread count (on a GPU: its device copy rate), and the decode roofline fraction (tok/s
+//! × bytes read per token ÷ bandwidth: the weights, and the KV cache at the depth decoded).
+//! Decode starts after a 4-token prompt, or after `depth` tokens (llama-bench's `-d`), where
+//! attention's reads of the cache count. The bandwidth is measured right before and after every decode repetition and each
 //! repetition is set against the higher of its two: on a shared VM the read rate moves by half
 //! from one minute to the next, and a single probe minutes away from the decode says little. It runs the engine's own shard forward, the path `run` and `serve` use.
 //! It does not compare with other engines (scripts/bench-vs-llamacpp.sh does) nor assert speeds.
@@ -22,6 +24,8 @@ pub struct BenchOptions {
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
     pub repetitions: usize,
+    /// Tokens in the cache before each timed decode run (0: a 4-token prompt).
+    pub depth: usize,
     /// Threads for the bandwidth probe (the kernels' pool is sized by the caller).
     pub threads: usize,
     /// The device the model was loaded on, when it is a GPU (the roofline then uses its copy rate).
@@ -36,6 +40,8 @@ pub struct BenchReport {
     pub threads: usize,
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
+    /// Positions in the cache when each decode run starts.
+    pub depth: usize,
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
     /// Every repetition, in the order measured.
@@ -48,9 +54,12 @@ pub struct BenchReport {
     pub mem_bw_runs: Vec<f64>,
     /// Weight bytes a decode step reads: every layer's matrices and vectors and the LM head.
     pub bytes_per_token: u64,
+    /// KV cache bytes a decode step reads on average over a run (every layer's keys and values
+    /// of every position before it, at the cache's width).
+    pub kv_bytes_per_token: u64,
     /// The median of `roofline_runs`.
     pub roofline_fraction: f64,
-    /// Each decode repetition's tok/s × bytes per token ÷ the higher probe beside it.
+    /// Each decode repetition's tok/s × (weight and KV bytes per token) ÷ the higher probe beside it.
     pub roofline_runs: Vec<f64>,
 }
 
@@ -67,15 +76,19 @@ pub fn run(model: &LoadedModel, opts: &BenchOptions) -> Result<BenchReport> {
     }
     // Checked before the filler is built: a huge request must fail at once, not after encoding it.
     let too_long = || EngineError::InvalidRequest(format!("{} + {} tokens do not fit the context of {}", opts.prompt_tokens, opts.gen_tokens, model.spec.context_length));
-    if opts.prompt_tokens.saturating_add(opts.gen_tokens).saturating_add(8) > model.spec.context_length {
+    let longest = opts.prompt_tokens.max(opts.depth);
+    if longest.saturating_add(opts.gen_tokens).saturating_add(8) > model.spec.context_length {
         return Err(too_long());
     }
-    let mut prompt = model.text.encode_prompt(&FILLER.repeat(opts.prompt_tokens / 16 + 2))?;
-    prompt.truncate(opts.prompt_tokens);
-    if prompt.len() < opts.prompt_tokens {
+    let filler = model.text.encode_prompt(&FILLER.repeat(longest / 16 + 2))?;
+    if filler.len() < longest {
         return Err(too_long());
     }
-    let short = model.text.encode_prompt("Once upon a time")?;
+    let prompt = &filler[..opts.prompt_tokens];
+    let decode_prompt = match opts.depth {
+        0 => model.text.encode_prompt("Once upon a time")?,
+        depth => filler[..depth].to_vec(),
+    };
 
     // Warm-up: page the weights in, size the caches and buffers.
     {
@@ -89,7 +102,7 @@ pub fn run(model: &LoadedModel, opts: &BenchOptions) -> Result<BenchReport> {
     for _ in 0..opts.repetitions {
         let mut cache = shard.new_cache();
         let t0 = Instant::now();
-        let out = shard.forward(ShardInput::Tokens(&prompt), &mut cache, false)?;
+        let out = shard.forward(ShardInput::Tokens(prompt), &mut cache, false)?;
         greedy(out)?;
         prefill_runs.push(prompt.len() as f64 / t0.elapsed().as_secs_f64());
     }
@@ -109,15 +122,19 @@ pub fn run(model: &LoadedModel, opts: &BenchOptions) -> Result<BenchReport> {
     };
     let mut mem_bw_runs = vec![probe()?];
     let mut decode_runs = Vec::new();
+    let mut kv_bytes = 0;
     for _ in 0..opts.repetitions {
         let mut cache = shard.new_cache();
-        let first = greedy(shard.forward(ShardInput::Tokens(&short), &mut cache, false)?)?;
+        let first = greedy(shard.forward(ShardInput::Tokens(&decode_prompt), &mut cache, false)?)?;
         let t0 = Instant::now();
         decode(shard, &mut cache, first, opts.gen_tokens)?;
         decode_runs.push(opts.gen_tokens as f64 / t0.elapsed().as_secs_f64());
         mem_bw_runs.push(probe()?);
+        // Step i reads the positions before it: the prompt's and i - 1 generated, on average
+        // the prompt's and half the run's.
+        kv_bytes = cache.bytes_per_position()? * (decode_prompt.len() as u64 + opts.gen_tokens as u64 / 2);
     }
-    let bytes = shard.decode_bytes();
+    let bytes = shard.decode_bytes() + kv_bytes;
     let roofline_runs: Vec<f64> = decode_runs.iter().zip(mem_bw_runs.windows(2)).map(|(tok_s, bw)| tok_s * bytes as f64 / bw[0].max(bw[1])).collect();
     Ok(BenchReport {
         model: model.name.clone(),
@@ -125,6 +142,7 @@ pub fn run(model: &LoadedModel, opts: &BenchOptions) -> Result<BenchReport> {
         threads: opts.threads,
         prompt_tokens: prompt.len(),
         gen_tokens: opts.gen_tokens,
+        depth: decode_prompt.len(),
         prefill_tok_s: median(&prefill_runs),
         decode_tok_s: median(&decode_runs),
         prefill_runs,
@@ -132,7 +150,8 @@ pub fn run(model: &LoadedModel, opts: &BenchOptions) -> Result<BenchReport> {
         rss_bytes,
         mem_bw_bytes_s: median(&mem_bw_runs),
         mem_bw_runs,
-        bytes_per_token: bytes,
+        bytes_per_token: bytes - kv_bytes,
+        kv_bytes_per_token: kv_bytes,
         roofline_fraction: median(&roofline_runs),
         roofline_runs,
     })

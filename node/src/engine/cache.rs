@@ -119,6 +119,19 @@ impl ShardCache {
     pub fn device(&self) -> &Device {
         &self.device
     }
+
+    /// Bytes of keys and values one position takes over every layer, at the buffers' width (0
+    /// before any layer has a buffer). A sliding-window layer reads at most its window of them.
+    pub fn bytes_per_position(&self) -> Result<u64> {
+        let mut bytes = 0;
+        for (k, v) in self.layers.iter().filter_map(LayerCache::buffers) {
+            for t in [k, v] {
+                let (_, heads, _, head_dim) = t.dims4()?;
+                bytes += (heads * head_dim * t.dtype().size_in_bytes()) as u64;
+            }
+        }
+        Ok(bytes)
+    }
 }
 
 #[cfg(test)]

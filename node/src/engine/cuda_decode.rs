@@ -123,6 +123,10 @@ struct AttnArgs {
     tagged: i32,
     tag: u64,
     out_q8: i32,
+    splits: i32,
+    split_keys: i32,
+    partial: u64,
+    count: u64,
 }
 
 /// `EmbedArgs` in decode.cu.
@@ -162,8 +166,9 @@ struct Buffers {
     /// The latest step's tag: steps taken, from 1 (tagged buffers start zeroed).
     tag: u32,
     logits: Option<Tensor>,
-    /// The captured step, replayed for every sequence.
-    graph: Option<Captured>,
+    /// The captured step for each count of attention splits (`FusedDecode::attend_splits`),
+    /// replayed for every sequence.
+    graphs: Vec<(u32, Captured)>,
     /// `SHOAL_FUSED_TRACE=1`: the block timeline records of the latest step (`trace_block` in
     /// decode.cu), and the steps taken.
     trace: Option<(CudaSlice<u64>, u64)>,
@@ -343,6 +348,10 @@ pub struct FusedDecode {
     hidden: usize,
     grids: MvGrids,
     attend_threads: u32,
+    /// Long contexts split each head's attention over up to `attend_max_splits` blocks of at
+    /// least `attend_split_keys` keys each (`attend_splits`).
+    attend_max_splits: u32,
+    attend_split_keys: u32,
     /// f16/bf16 warps load their first rows before waiting for the previous kernel (H100s, eight
     /// alternating pairs: 7B f16 decode +0.2-1.9%, 1.5B +2.3-7.4%); `SHOAL_FUSED_PRELOAD=0` pulls
     /// only their start into L2.
@@ -547,31 +556,38 @@ pub fn release_dequant_scratch() {
     DEQUANT_SCRATCH.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
 }
 
-/// Runs `multiply` on a Q4_K or Q6_K matrix on a GPU dequantized to f16 (`dequant_q4_k_f16` /
-/// `dequant_q6_k_f16` in decode.cu: the values candle's CPU dequantization gives, rounded to f16),
-/// for a prompt's matrix products through cuBLAS; None for other formats, which candle
-/// dequantizes. The matrix lands in the device's scratch, which `multiply` must only read, and
-/// only through work it queues on the device's stream before returning (candle's ops do): the
-/// next matrix overwrites it in stream order. One H200 (session 45): 0.051 ms for a 7B gate's
-/// Q4_K into the scratch against 0.176 for candle's kernel (one half stored at a time, and a new
-/// tensor); with a new tensor for each matrix, the 1.5B Q4_K_M's 256-token prompt ran 24-30%
-/// slower than through MMQ, with the scratch as fast.
-pub fn with_dequantized_f16<R>(q: &QTensor, multiply: impl FnOnce(&Tensor) -> Result<R>) -> Result<Option<R>> {
-    let name = match q.dtype() {
-        GgmlDType::Q4K => "dequant_q4_k_f16",
-        GgmlDType::Q6K => "dequant_q6_k_f16",
-        _ => return Ok(None),
-    };
+/// Runs `multiply` on Q4_K or Q6_K matrices on a GPU dequantized to f16 (`dequant_q4_k_f16` /
+/// `dequant_q6_k_f16` in decode.cu: the values candle's CPU dequantization gives, rounded to f16)
+/// and stacked by rows in the order given (matrices with one input, such as q/k/v or gate/up, then
+/// take one GEMM), for a prompt's matrix products through cuBLAS; None when one of them is in
+/// another format (candle dequantizes those), their widths differ, or they are not on a GPU. The
+/// stack lands in the device's scratch, which `multiply` must only read, and only through work it
+/// queues on the device's stream before returning (candle's ops do): the next stack overwrites it
+/// in stream order. One H200 (session 45): 0.051 ms for a 7B gate's Q4_K into the scratch
+/// against 0.176 for candle's kernel (one half stored at a time, and a new tensor); with a new
+/// tensor for each matrix, the 1.5B Q4_K_M's 256-token prompt ran 24-30% slower than through MMQ,
+/// with the scratch as fast.
+pub fn with_dequantized_f16<R>(qs: &[&QTensor], multiply: impl FnOnce(&Tensor) -> Result<R>) -> Result<Option<R>> {
     // `SHOAL_DEQUANT_KERNEL=candle`: candle's kernels for these too (an A/B aid).
     if std::env::var("SHOAL_DEQUANT_KERNEL").is_ok_and(|v| v == "candle") {
         return Ok(None);
     }
-    let Device::Cuda(cuda) = q.device() else { return Ok(None) };
-    let n = q.shape().elem_count();
-    if n % 256 != 0 {
-        return Ok(None);
+    let Some(first) = qs.first() else { return Ok(None) };
+    let Device::Cuda(cuda) = first.device() else { return Ok(None) };
+    let Ok((_, cols)) = first.shape().dims2() else { return Ok(None) };
+    let mut parts = Vec::with_capacity(qs.len());
+    for q in qs {
+        let name = match q.dtype() {
+            GgmlDType::Q4K => "dequant_q4_k_f16",
+            GgmlDType::Q6K => "dequant_q6_k_f16",
+            _ => return Ok(None),
+        };
+        match (q.device(), q.shape().dims2()) {
+            (Device::Cuda(c), Ok((rows, c_cols))) if c.id() == cuda.id() && c_cols == cols && (rows * cols) % 256 == 0 => parts.push((name, *q, rows * cols)),
+            _ => return Ok(None),
+        }
     }
-    let f = cuda.get_or_load_custom_func(name, MODULE, PTX)?.into_cuda_function();
+    let n: usize = parts.iter().map(|p| p.2).sum();
     let stream = cuda.cuda_stream();
     // Held until `multiply` has queued its work: another thread's matrix waits for the scratch.
     let mut scratch = DEQUANT_SCRATCH.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -581,7 +597,7 @@ pub fn with_dequantized_f16<R>(q: &QTensor, multiply: impl FnOnce(&Tensor) -> Re
         _ => {
             // A grown scratch replaces the old one, which is freed in stream order, after the
             // work that read it.
-            // SAFETY: the kernel below writes every element this call reads.
+            // SAFETY: the kernels below write every element this call reads.
             let grown = unsafe { stream.alloc::<half::f16>(n) }.map_err(driver)?;
             let storage = candle_core::CudaStorage::wrap_cuda_slice(grown, cuda.clone());
             let grown = Tensor::from_storage(Storage::Cuda(storage), n, candle_core::op::BackpropOp::none(), false);
@@ -598,15 +614,20 @@ pub fn with_dequantized_f16<R>(q: &QTensor, multiply: impl FnOnce(&Tensor) -> Re
         }
     };
     let dense = &scratch[at].1;
-    let (src, dst, blocks) = (q.device_ptr()? as u64, tensor_ptr(dense)?, (n / 256) as i64);
-    let threads = blocks as u64 * 32;  // a warp a block of 256 values
-    let cfg = LaunchConfig { grid_dim: (threads.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-    let mut launch = stream.launch_builder(&f);
-    launch.arg(&src).arg(&dst).arg(&blocks);
-    // SAFETY: `src` holds `blocks` blocks of the kernel's format and `dst` at least 256 halves
-    // for each, both on this stream.
-    unsafe { launch.launch(cfg) }.map_err(driver)?;
-    multiply(&dense.narrow(0, 0, n)?.reshape(q.shape())?).map(Some)
+    let mut dst = tensor_ptr(dense)?;
+    for (name, q, values) in parts {
+        let f = cuda.get_or_load_custom_func(name, MODULE, PTX)?.into_cuda_function();
+        let (src, blocks) = (q.device_ptr()? as u64, (values / 256) as i64);
+        let threads = blocks as u64 * 32; // a warp a block of 256 values
+        let cfg = LaunchConfig { grid_dim: (threads.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut launch = stream.launch_builder(&f);
+        launch.arg(&src).arg(&dst).arg(&blocks);
+        // SAFETY: `src` holds `blocks` blocks of the kernel's format and `dst` room for 256 halves
+        // for each (the scratch holds every part's values, in order), both on this stream.
+        unsafe { launch.launch(cfg) }.map_err(driver)?;
+        dst += 2 * values as u64;
+    }
+    multiply(&dense.narrow(0, 0, n)?.reshape((n / cols, cols))?).map(Some)
 }
 
 /// The first of the largest logits of a row on a GPU (`argmax_row` in decode.cu, the CPU
@@ -1094,7 +1115,6 @@ impl FusedDecode {
             }
             l
         };
-        let cache_fmt = dense_fmt(dtype)?;
         let mut launches = Vec::new();
         let embed_rows = match embed.map(|(table, scale)| embed_args(table, scale, dtype, hidden)).transpose()?.flatten() {
             Some(args) => {
@@ -1104,6 +1124,12 @@ impl FusedDecode {
             }
             None => None,
         };
+        // Long contexts: about two blocks an SM over every head at the most, a power of two
+        // (`SHOAL_FUSED_ATTEND_SPLITS=1`: one block a head whatever the context).
+        let heads = layers.iter().map(|l| l.attn.num_heads as u32).max().unwrap_or(1).max(1);
+        let attend_max_splits = tuned("ATTEND_SPLITS", (2 * sms / heads).clamp(1, 32)).clamp(1, 32);
+        let attend_max_splits = 1 << attend_max_splits.ilog2();
+        let attend_split_keys = tuned("ATTEND_SPLIT_KEYS", 512).max(32);
         let mut kv = Vec::new();
         let h = p.scratch(hidden)?;
         for layer in layers {
@@ -1132,7 +1158,7 @@ impl FusedDecode {
                 k_norm,
                 pos: step_ptr,
                 out: attn_out,
-                cache_fmt,
+                cache_fmt: dense_fmt(a.kv_dtype)?,
                 heads: a.num_heads as i32,
                 kv_heads: a.num_kv_heads as i32,
                 d: d as i32,
@@ -1143,9 +1169,11 @@ impl FusedDecode {
                 eps: a.q_norm.as_ref().map_or(layer.attn_norm.eps, |n| n.eps),
                 tagged: i32::from(tags),
                 tag,
+                partial: p.scratch(a.num_heads * attend_max_splits as usize * (d + 2))?,
+                count: p.scratch(a.num_heads)?,
                 ..AttnArgs::default()
             };
-            kv.push((a.num_kv_heads, d, dtype));
+            kv.push((a.num_kv_heads, d, a.kv_dtype));
             let mut o = p.residual(&a.o, attn_out, layer.post_attn_norm.as_ref(), x, h, hidden)?;
             o[0] = tagged(o[0], true, false);
             // Where o multiplies int8 activations over whole rows, attention quantizes its heads'
@@ -1271,10 +1299,12 @@ impl FusedDecode {
             hidden,
             grids,
             attend_threads,
+            attend_max_splits,
+            attend_split_keys,
             preload: tuned("PRELOAD", 1) != 0,
             kinds,
             overlap,
-            buffers: Mutex::new(Buffers { x: x_t, step, tag: 0, logits, graph: None, trace, uploads, uploaded: 0 }),
+            buffers: Mutex::new(Buffers { x: x_t, step, tag: 0, logits, graphs: Vec::new(), trace, uploads, uploaded: 0 }),
             _keep: p.keep,
             enabled: AtomicBool::new(enabled),
             use_graph: use_graph && profile.is_none(),
@@ -1363,16 +1393,19 @@ impl FusedDecode {
             }
             None => 0,
         };
-        if b.graph.is_none() && self.use_graph {
+        let splits = self.attend_splits(pos + 1);
+        if self.use_graph && !b.graphs.iter().any(|(n, _)| *n == splits) {
             self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(driver)?;
-            let launched = self.launch_all(trace);
+            let launched = self.launch_all(trace, splits);
             let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(driver);
             launched?;
-            b.graph = graph?.map(Captured);
+            if let Some(g) = graph? {
+                b.graphs.push((splits, Captured(g)));
+            }
         }
-        match &b.graph {
-            Some(g) => g.0.launch().map_err(driver)?,
-            None => self.launch_all(trace)?,
+        match b.graphs.iter().find(|(n, _)| *n == splits) {
+            Some((_, g)) => g.0.launch().map_err(driver)?,
+            None => self.launch_all(trace, splits)?,
         }
         if let Some((t, steps)) = &mut b.trace {
             *steps += 1;
@@ -1479,9 +1512,17 @@ impl FusedDecode {
         unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result().map_err(driver)
     }
 
-    /// Every kernel of one step, in order (the KV buffers are in `Buffers::step`).
-    /// `trace`: the trace buffer (`SHOAL_FUSED_TRACE`), or 0.
-    fn launch_all(&self, trace: u64) -> Result<()> {
+    /// Blocks a query head's attention takes for a step whose cache holds `keys` positions: one
+    /// up to `attend_split_keys`, then the power of two that gives each at least that many
+    /// keys, at most `attend_max_splits` (each count has a graph of its own, so a handful).
+    fn attend_splits(&self, keys: usize) -> u32 {
+        let wanted = keys.div_ceil(self.attend_split_keys as usize).max(1);
+        (wanted.next_power_of_two() as u32).min(self.attend_max_splits)
+    }
+
+    /// Every kernel of one step, in order (the KV buffers are in `Buffers::step`), attention in
+    /// `splits` blocks a head. `trace`: the trace buffer (`SHOAL_FUSED_TRACE`), or 0.
+    fn launch_all(&self, trace: u64, splits: u32) -> Result<()> {
         let mut prof = self.profile.as_ref().map(|p| p.lock().unwrap_or_else(|e| e.into_inner()));
         let mut events = Vec::new();
         for (i, (l, &kind)) in self.launches.iter().zip(&self.kinds).enumerate() {
@@ -1500,8 +1541,8 @@ impl FusedDecode {
                     unsafe { self.launch(&self.mv[kernel], cfg, &mut [(&raw mut args).cast()]) }?;
                 }
                 Launch::Attend { mut args } => {
-                    (args.trace, args.launch) = (trace, i as i32);
-                    let cfg = LaunchConfig { grid_dim: (args.heads as u32, 1, 1), block_dim: (self.attend_threads, 1, 1), shared_mem_bytes: 0 };
+                    (args.trace, args.launch, args.splits, args.split_keys) = (trace, i as i32, splits as i32, self.attend_split_keys as i32);
+                    let cfg = LaunchConfig { grid_dim: (args.heads as u32 * splits, 1, 1), block_dim: (self.attend_threads, 1, 1), shared_mem_bytes: 0 };
                     // SAFETY: as above; `step` names caches with `capacity` > position rows (reserved).
                     unsafe { self.launch(&self.attend, cfg, &mut [(&raw mut args).cast()]) }?;
                 }

@@ -147,6 +147,18 @@ pub fn compute_dtype(device: &Device, stored: DType) -> DType {
     }
 }
 
+/// The dtype of the KV cache and of attention's products on `device`: the compute dtype, except
+/// that quantized (GGUF) weights on a GPU keep f32 hidden states beside an f16 cache, as
+/// llama.cpp does: half the cache's memory, and a prompt's scores and weighted sums multiplied
+/// on the tensor cores rather than in f32 (those two products of two 4,096-token 7B Q4_K_M
+/// prompts took 306 ms on an H200 with an f32 cache, the f16 model's 74 ms).
+pub fn cache_dtype(device: &Device, stored: DType, quantized: bool) -> DType {
+    match compute_dtype(device, stored) {
+        DType::F32 if quantized && !device.is_cpu() => DType::F16,
+        dtype => dtype,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,6 +190,7 @@ mod tests {
         assert_eq!(d.is_gpu(), d.gpu().is_some());
         assert_eq!(compute_dtype(&Device::Cpu, DType::BF16), DType::F32);
         assert_eq!(compute_dtype(&Device::Cpu, DType::F16), DType::F32);
+        assert_eq!(cache_dtype(&Device::Cpu, DType::F32, true), DType::F32, "a CPU keeps a GGUF model's cache in f32");
         if !cfg!(feature = "cuda") {
             let e = ComputeDevice::open(DeviceChoice::Cuda(0)).unwrap_err();
             assert!(e.to_string().contains("without CUDA"), "{e}");

@@ -64,10 +64,12 @@ fn dequantize_for(x: &Tensor) -> bool {
     from > 0 && x.device().is_cuda() && token_rows >= from
 }
 
-/// `x` times a quantized matrix dequantized to f16, by cuBLAS (candle's `forward_via_f16`, with
-/// decode.cu's dequantization where it covers the format: Q4_K and Q6_K).
+/// `x` times quantized matrices that share it, dequantized to f16 and stacked by rows, in one
+/// cuBLAS GEMM: the result's columns follow the matrices' rows in order (q/k/v, or gate/up, with
+/// one conversion of `x` and one product). None where decode.cu does not dequantize a format
+/// (Q4_K and Q6_K only), or without the `cuda` feature.
 #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-fn forward_dequantized(w: &candle_core::quantized::QMatMul, q: &candle_core::quantized::QTensor, x: &Tensor) -> Result<Tensor> {
+fn dequantized_product(qs: &[&candle_core::quantized::QTensor], x: &Tensor) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     {
         let multiply = |dense: &Tensor| -> Result<Tensor> {
@@ -78,11 +80,18 @@ fn forward_dequantized(w: &candle_core::quantized::QMatMul, q: &candle_core::qua
             };
             Ok(x.to_dtype(DType::F16)?.matmul(&dense)?.to_dtype(x.dtype())?)
         };
-        if let Some(y) = super::cuda_decode::with_dequantized_f16(q, multiply)? {
-            return Ok(y);
-        }
+        return super::cuda_decode::with_dequantized_f16(qs, multiply);
     }
-    Ok(w.forward_via_f16(x)?)
+    #[cfg(not(feature = "cuda"))]
+    Ok(None)
+}
+
+/// The quantized matrix a prompt on a GPU multiplies dequantized (`dequantize_for`), if `l` has one.
+fn dequantizable<'a>(l: &'a Linear, x: &Tensor) -> Option<&'a candle_core::quantized::QTensor> {
+    match &l.weight {
+        Matrix::Candle(candle_core::quantized::QMatMul::QTensor(q)) if dequantize_for(x) => Some(q),
+        _ => None,
+    }
 }
 
 /// A linear layer with an optional bias.
@@ -123,10 +132,14 @@ impl Linear {
             Matrix::Packed(w) => x.contiguous()?.apply_op1_no_bwd(&QMatMulOp { weight: w.clone() })?,
             Matrix::Candle(w @ candle_core::quantized::QMatMul::QTensor(q)) if dequantize_for(x) => {
                 // A prompt on a GPU: the matrix dequantized to f16 (Q4_K and Q6_K into the
-                // device's reused scratch, others into a transient copy) and multiplied by
-                // cuBLAS, rather than candle's MMQ kernels; those still take it where that fails
-                // (a format candle cannot dequantize to f16 there, or no GPU memory left).
-                match forward_dequantized(w, q, x) {
+                // device's reused scratch, others into a transient copy by candle) and multiplied
+                // by cuBLAS, rather than candle's MMQ kernels; those still take it where that
+                // fails (a format candle cannot dequantize to f16 there, or no GPU memory left).
+                let dequantized = dequantized_product(&[q], x).and_then(|y| match y {
+                    Some(y) => Ok(y),
+                    None => Ok(w.forward_via_f16(x)?),
+                });
+                match dequantized {
                     Ok(y) => y,
                     Err(e) => {
                         tracing::debug!(error = %e, dtype = ?q.dtype(), "dequantized prompt matmul failed; using MMQ");
@@ -177,14 +190,15 @@ impl Linear {
         Ok(Some(Linear { weight: Matrix::Candle(candle_core::quantized::QMatMul::Tensor(w)), bias: b }))
     }
 
-    /// The output rows of a fused forward, split back into its parts' outputs.
+    /// The output rows of a fused or stacked forward, split back into its parts' outputs.
     fn split<const N: usize>(y: Tensor, parts: [&Linear; N]) -> Result<[Tensor; N]> {
         let mut out = Vec::with_capacity(N);
         let mut col = 0;
         for l in parts {
             let n = match &l.weight {
                 Matrix::Candle(candle_core::quantized::QMatMul::Tensor(t)) => t.dim(0)?,
-                _ => unreachable!("only dense parts are fused"),
+                Matrix::Candle(candle_core::quantized::QMatMul::QTensor(q)) => q.shape().dims2()?.0,
+                _ => unreachable!("only dense parts are fused and only quantized ones stacked"),
             };
             out.push(y.narrow(candle_core::D::Minus1, col, n)?);
             col += n;
@@ -199,23 +213,34 @@ impl Linear {
         })
     }
 
-    /// Several layers applied to one input: with shoal's kernels the input is quantized once and
-    /// every matrix's rows run as one job.
+    /// Several layers applied to one input: with shoal's CPU kernels the input is quantized once
+    /// and every matrix's rows run as one job; a prompt on a GPU multiplies its quantized matrices
+    /// dequantized into one stack by one GEMM. Otherwise each layer runs alone.
     pub fn forward_group<const N: usize>(layers: [&Linear; N], x: &Tensor) -> Result<[Tensor; N]> {
-        let packed: Vec<_> = layers.iter().filter_map(|l| if let Matrix::Packed(w) = &l.weight { Some(w) } else { None }).collect();
-        if packed.len() < N {
-            let mut out = Vec::with_capacity(N);
-            for l in layers {
-                out.push(l.forward(x)?);
-            }
-            return Ok(out.try_into().expect("N outputs"));
-        }
-        let ys = kernels::forward_many(&packed, x)?;
-        let mut out = Vec::with_capacity(N);
-        for (l, y) in layers.iter().zip(ys) {
-            out.push(l.add_bias(y)?);
-        }
+        let out: Vec<Tensor> = match Self::forward_stacked(layers, x)? {
+            Some(ys) => layers.iter().zip(ys).map(|(l, y)| l.add_bias(y)).collect::<Result<_>>()?,
+            None => layers.iter().map(|l| l.forward(x)).collect::<Result<_>>()?,
+        };
         Ok(out.try_into().expect("N outputs"))
+    }
+
+    /// `forward_group`'s products before their biases, where the layers share one kernel job or
+    /// one stacked GEMM; None where they do not.
+    fn forward_stacked<const N: usize>(layers: [&Linear; N], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
+        let packed: Option<Vec<_>> = layers.iter().map(|l| if let Matrix::Packed(w) = &l.weight { Some(w) } else { None }).collect();
+        if let Some(packed) = packed {
+            return Ok(Some(kernels::forward_many(&packed, x)?));
+        }
+        let quantized: Option<Vec<_>> = layers.iter().map(|l| dequantizable(l, x)).collect();
+        let Some(qs) = quantized.filter(|qs| qs.len() > 1) else { return Ok(None) };
+        match dequantized_product(&qs, x) {
+            Ok(Some(y)) => Ok(Some(Linear::split(y, layers)?.to_vec())),
+            Ok(None) => Ok(None),
+            Err(e) => {
+                tracing::debug!(error = %e, "stacked dequantized prompt matmul failed; each matrix alone");
+                Ok(None)
+            }
+        }
     }
 }
 
@@ -259,6 +284,9 @@ pub struct Attention {
     pub(super) softcap: Option<f64>,
     pub(super) rope_style: RopeStyle,
     pub(super) window: Option<usize>,
+    /// The KV cache's dtype, in which scores and weighted sums are multiplied too
+    /// (`Weights::cache_dtype`: the activations' but for GGUF weights on a GPU, f16).
+    pub(super) kv_dtype: DType,
     /// q, k and v stacked into one matrix on a GPU (see `Linear::fuse`).
     pub(super) qkv: Option<Linear>,
 }
@@ -320,6 +348,7 @@ impl Attention {
             softcap: spec.attn_logit_softcap,
             rope_style: spec.rope_style,
             window: spec.window_for_layer(layer),
+            kv_dtype: w.cache_dtype(device),
         })
     }
 
@@ -352,7 +381,8 @@ impl Attention {
             RopeStyle::Interleaved => (candle_nn::rotary_emb::rope_i(&q, cos, sin)?, candle_nn::rotary_emb::rope_i(&k, cos, sin)?),
         };
         clock.mark(dev, "heads+rope");
-        let (k_all, v_all) = cache.append(&k, &v)?;
+        let q = q.to_dtype(self.kv_dtype)?;
+        let (k_all, v_all) = cache.append(&k.to_dtype(self.kv_dtype)?, &v.to_dtype(self.kv_dtype)?)?;
         clock.mark(dev, "kv append");
         let total = start + t;
         // Keys older than the window can never be seen again by these queries: skip them.
@@ -405,7 +435,7 @@ impl Attention {
             }
         };
         clock.mark(dev, "softmax");
-        let out = probs.matmul(&v_all)?; // (b, kv_heads, rep * t, head_dim)
+        let out = probs.matmul(&v_all)?.to_dtype(x.dtype())?; // (b, kv_heads, rep * t, head_dim)
         clock.mark(dev, "pv");
         let out = out
             .reshape((b, self.num_heads, t, self.head_dim))?

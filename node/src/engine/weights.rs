@@ -292,6 +292,16 @@ impl Weights {
         super::device::compute_dtype(device, self.dense_dtype())
     }
 
+    /// The dtype of the KV cache and attention's products on `device` (see `device::cache_dtype`).
+    pub fn cache_dtype(&self, device: &Device) -> DType {
+        super::device::cache_dtype(device, self.dense_dtype(), self.quantized())
+    }
+
+    /// GGUF weights: quantized matrices, multiplied by f32 activations.
+    pub fn quantized(&self) -> bool {
+        matches!(self, Weights::Gguf { .. })
+    }
+
     /// The stored type of dense weights: the embedding's for safetensors; f32 for GGUF (its
     /// quantized matrices stay as they are, the rest is dequantized to f32).
     fn dense_dtype(&self) -> DType {

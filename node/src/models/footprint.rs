@@ -19,6 +19,7 @@ pub fn footprint(model: &str, source: &ModelSource, context_limit: Option<usize>
         bytes_per_layer,
         kv_bytes_per_layer: source.kv_reserve_per_layer(context_limit),
         dense_half: source.weights.dense_half(),
+        quantized: source.weights.quantized(),
         embedding_bytes,
         head_bytes,
         tp: TpUnits { heads, ffn },

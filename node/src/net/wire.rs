@@ -213,6 +213,7 @@ fn footprint_to_proto(f: &ModelFootprint) -> v1::ModelFootprint {
         bytes_per_layer: f.bytes_per_layer,
         kv_bytes_per_layer: f.kv_bytes_per_layer,
         dense_half: f.dense_half,
+        quantized: f.quantized,
         embedding_bytes: f.embedding_bytes,
         head_bytes: f.head_bytes,
         // Unit counts come from a model's heads and blocks, far below u32::MAX.
@@ -256,7 +257,7 @@ fn footprint_from_proto(f: v1::ModelFootprint) -> Result<ModelFootprint, WireErr
     }
     let strategy = strategy_from_proto("wants.strategy", f.strategy)?;
     let tp = crate::cluster::TpUnits { heads: f.tp_head_units.min(MAX_TP_UNITS) as usize, ffn: f.tp_ffn_units.min(MAX_TP_UNITS) as usize };
-    Ok(ModelFootprint { model: f.model, layers: f.layers as usize, bytes_per_layer: f.bytes_per_layer, kv_bytes_per_layer: f.kv_bytes_per_layer, dense_half: f.dense_half, embedding_bytes: f.embedding_bytes, head_bytes: f.head_bytes, tp, strategy })
+    Ok(ModelFootprint { model: f.model, layers: f.layers as usize, bytes_per_layer: f.bytes_per_layer, kv_bytes_per_layer: f.kv_bytes_per_layer, dense_half: f.dense_half, quantized: f.quantized, embedding_bytes: f.embedding_bytes, head_bytes: f.head_bytes, tp, strategy })
 }
 
 fn plan_to_proto(p: &Plan) -> v1::Plan {

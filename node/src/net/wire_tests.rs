@@ -6,7 +6,7 @@ use super::*;
 fn advert(id: &PeerId, other: &PeerId) -> NodeAdvert {
     let me = id.to_string();
     let you = other.to_string();
-    let footprint = ModelFootprint { model: "qwen".into(), layers: 28, bytes_per_layer: 1 << 20, kv_bytes_per_layer: 1 << 23, dense_half: true, embedding_bytes: 5, head_bytes: 6, ..Default::default() };
+    let footprint = ModelFootprint { model: "qwen".into(), layers: 28, bytes_per_layer: 1 << 20, kv_bytes_per_layer: 1 << 23, dense_half: true, quantized: true, embedding_bytes: 5, head_bytes: 6, ..Default::default() };
     let placement = Placement {
         strategy: Strategy::Pipeline,
         stages: vec![Stage { node: me.clone(), start: 0, end: 10, group: vec![] }, Stage { node: you.clone(), start: 10, end: 28, group: vec![] }],
