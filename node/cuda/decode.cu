@@ -1664,19 +1664,21 @@ __device__ __forceinline__ void softmax_merge(float& m, float& l, float* o, floa
 // depends on no earlier kernel is done before waiting for q/k/v: the position's rotation, and the
 // loads of each warp's first ATTN_UNROLL steps of cached keys and values (a context of up to 128
 // keys for d = 128).
-// A long context is split over several blocks a head (flash-decoding): `a.splits` blocks a head
-// in the grid, of which as many take a near-equal run of the visible keys as give each at least
-// `a.split_keys` (the rest end at once). Each writes its warps' merged state unnormalized, with
-// its max and sum, to `a.partial`; the last of a head's splits to finish (a counter) merges
-// them and writes the head's values as one block does alone.
-extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
+// `attend_split` (SPLIT) takes a long context over several blocks a head (flash-decoding):
+// `a.splits` blocks a head in the grid, of which as many take a near-equal run of the visible
+// keys as give each at least `a.split_keys` (the rest end at once). Each writes its warps'
+// merged state unnormalized, with its max and sum, to `a.partial`; the last of a head's splits
+// to finish (a counter) merges them and writes the head's values as one block does alone.
+// `attend` is the one-block-a-head instance, none of that compiled in.
+template <bool SPLIT>
+__device__ __forceinline__ void attend_heads(AttnArgs a) {
     __shared__ float q[ATTN_MAX_D], kn[ATTN_MAX_D], vn[ATTN_MAX_D];
     __shared__ float rope_cos[ATTN_MAX_D / 2], rope_sin[ATTN_MAX_D / 2];
     __shared__ float part[ATTN_MAX_WARPS][ATTN_MAX_D];
     __shared__ float wmax[ATTN_MAX_WARPS], wsum[ATTN_MAX_WARPS];
     trace_mark(a.trace, &trace_started);
     allow_next_kernel();
-    int splits = a.splits > 1 ? a.splits : 1;
+    int splits = SPLIT && a.splits > 1 ? a.splits : 1;
     int h = blockIdx.x / splits, split = blockIdx.x % splits, d = a.d;
     int rep = a.heads / a.kv_heads, kvh = h / rep;
     // Written before the step's first kernel, not by the previous one.
@@ -1684,15 +1686,18 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
     unsigned tag = a.tagged ? (unsigned)*a.tag : 0u;
     const KvSlot cache = *a.kv;
     int first = (a.window > 0 && pos + 1 > a.window) ? pos + 1 - a.window : 0;
-    // This block's keys: [lo, lo + nkeys), a near-equal share of the visible ones.
-    int visible = pos + 1 - first;
-    int want = splits > 1 ? min(splits, max(1, (visible + a.split_keys - 1) / max(a.split_keys, 1))) : 1;
-    int chunk = (visible + want - 1) / want, used = (visible + chunk - 1) / chunk;
-    if (split >= used) {
-        trace_block(a.trace, a.launch);
-        return;
+    // This block's keys: [lo, lo + nkeys), all the visible ones or a near-equal share of them.
+    int lo = first, nkeys = pos + 1 - first, used = 1;
+    if (SPLIT && splits > 1) {
+        int want = min(splits, max(1, (nkeys + a.split_keys - 1) / max(a.split_keys, 1)));
+        int chunk = (nkeys + want - 1) / want;
+        used = (nkeys + chunk - 1) / chunk;
+        if (split >= used) {
+            trace_block(a.trace, a.launch);
+            return;
+        }
+        lo = first + split * chunk, nkeys = min(chunk, pos + 1 - lo);
     }
-    int lo = first + split * chunk, nkeys = min(chunk, pos + 1 - lo);
     size_t head_base = (size_t)kvh * cache.capacity * d;
     // The cached keys and values this block will read depend on no earlier kernel: pull them
     // into L2 while that kernel finishes.
@@ -1826,7 +1831,7 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
     }
     __syncthreads();
     // Each warp's weight once (a lane a warp), then every column a sum of products.
-    __shared__ float wweight[ATTN_MAX_WARPS > ATTN_MAX_SPLITS ? ATTN_MAX_WARPS : ATTN_MAX_SPLITS];
+    __shared__ float wweight[SPLIT && ATTN_MAX_SPLITS > ATTN_MAX_WARPS ? ATTN_MAX_SPLITS : ATTN_MAX_WARPS];
     __shared__ float wden, wtop;
     if (warp == 0) {
         float mw = lane < warps ? wmax[lane] : -INFINITY, mx = mw;
@@ -1856,7 +1861,7 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
             }
         }
     };
-    if (used == 1) {
+    if (!SPLIT || used == 1) {
         store_out([&](int i) { return numerator(i) / wden; });
         trace_block(a.trace, a.launch);
         return;
@@ -1898,6 +1903,9 @@ extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) {
     });
     trace_block(a.trace, a.launch);
 }
+
+extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) { attend_heads<false>(a); }
+extern "C" __global__ void __launch_bounds__(512) attend_split(AttnArgs a) { attend_heads<true>(a); }
 
 // Each of this thread's logits, `f(value, index)`: float4s strided over the block, four loads in
 // flight, where the row is 16-byte aligned (the logits are in L2: the latency of one load at a

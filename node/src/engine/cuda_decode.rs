@@ -337,6 +337,8 @@ pub struct FusedDecode {
     /// The `mv` instances the launches use, by name.
     mv: HashMap<&'static str, CudaFunction>,
     attend: CudaFunction,
+    /// `attend_split`: a head's keys over several blocks (long contexts; `attend_splits`).
+    attend_split: CudaFunction,
     add_norm: CudaFunction,
     embed_row: CudaFunction,
     /// Rows of the embedding table when the step embeds its own token (`Launch::Embed`).
@@ -1062,7 +1064,7 @@ impl FusedDecode {
         let cuda = device.as_cuda_device()?;
         let stream = cuda.cuda_stream();
         let load = |name: &str| cuda.get_or_load_custom_func(name, MODULE, PTX).map(|f| f.into_cuda_function());
-        let (attend, add_norm, embed_row) = (load("attend")?, load("add_norm")?, load("embed_row")?);
+        let (attend, attend_split, add_norm, embed_row) = (load("attend")?, load("attend_split")?, load("add_norm")?, load("embed_row")?);
         // The dynamic shared memory a block may ask for: the GPU's per-block limit less the
         // kernels' static shared memory (block sums' scratch, the trace marks; under 1 KB).
         let optin = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(driver)? as usize;
@@ -1169,8 +1171,6 @@ impl FusedDecode {
                 eps: a.q_norm.as_ref().map_or(layer.attn_norm.eps, |n| n.eps),
                 tagged: i32::from(tags),
                 tag,
-                partial: p.scratch(a.num_heads * attend_max_splits as usize * (d + 2))?,
-                count: p.scratch(a.num_heads)?,
                 ..AttnArgs::default()
             };
             kv.push((a.num_kv_heads, d, a.kv_dtype));
@@ -1201,6 +1201,14 @@ impl FusedDecode {
             let mut down = p.residual(&m.down, act, layer.post_ffn_norm.as_ref(), x, h, hidden)?;
             down[0] = tagged(down[0], true, false);
             launches.extend(down);
+        }
+        // Each split attention's partial states and counters (after the layers' other buffers,
+        // which so lie where they did before splits existed).
+        for l in &mut launches {
+            if let Launch::Attend { args } = l {
+                args.partial = p.scratch(args.heads as usize * attend_max_splits as usize * (args.d as usize + 2))?;
+                args.count = p.scratch(args.heads as usize)?;
+            }
         }
         let mut logits = None;
         if let Some((norm, lm_head)) = head {
@@ -1290,6 +1298,7 @@ impl FusedDecode {
             stream,
             mv,
             attend,
+            attend_split,
             add_norm,
             embed_row,
             embed_rows,
@@ -1543,8 +1552,10 @@ impl FusedDecode {
                 Launch::Attend { mut args } => {
                     (args.trace, args.launch, args.splits, args.split_keys) = (trace, i as i32, splits as i32, self.attend_split_keys as i32);
                     let cfg = LaunchConfig { grid_dim: (args.heads as u32 * splits, 1, 1), block_dim: (self.attend_threads, 1, 1), shared_mem_bytes: 0 };
-                    // SAFETY: as above; `step` names caches with `capacity` > position rows (reserved).
-                    unsafe { self.launch(&self.attend, cfg, &mut [(&raw mut args).cast()]) }?;
+                    let kernel = if splits > 1 { &self.attend_split } else { &self.attend };
+                    // SAFETY: as above; `step` names caches with `capacity` > position rows
+                    // (reserved); `partial` and `count` hold `heads` × the most splits.
+                    unsafe { self.launch(kernel, cfg, &mut [(&raw mut args).cast()]) }?;
                 }
                 Launch::Embed { mut args } => {
                     let cfg = LaunchConfig { grid_dim: ((args.cols as u32).div_ceil(256), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
