@@ -2,13 +2,14 @@
 //
 // A step runs five kernels per layer, on f32 activations (Q4_K gate/up rows: int8, see
 // `mv_gated_q4_k_ring`):
-//   mv (RMSNorm + q/k/v rows + bias)  ->  attend (q/k norm, rope, KV append, softmax·V)
+//   mv (RMSNorm + q/k/v rows + bias)  ->  attend (q/k norm, rope, KV append, softmax·V;
+//   attend_split past 512 keys: a head's keys over several blocks, merged by the last)
 //   ->  mv (o rows, added into the residual)  ->  mv (RMSNorm + gate/up rows, act(gate)·up)
 //   ->  mv (down rows, added into the residual)
 // plus `add_norm` for families with post-norms. Weights are read in the form they are stored
 // (f32/f16/bf16 rows, GGUF Q8_0/Q4_K/Q6_K blocks) and never copied; the position and the
-// KV cache addresses come from device memory, so a step is captured once as a CUDA graph and
-// replayed for every sequence. On sm_90 and later
+// KV cache addresses come from device memory, so a step is captured once as a CUDA graph (per
+// count of attention splits) and replayed for every sequence. On sm_90 and later
 // each kernel may start while the previous one finishes (programmatic dependent launch): it
 // fetches what depends on no earlier kernel (f16/bf16 warps load their first rows, Q4_K warps
 // with int8 activations their first step, other formats pull theirs into L2; RMSNorm weights go

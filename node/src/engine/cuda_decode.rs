@@ -2,12 +2,13 @@
 //! layer (`cuda/decode.cu`), reading the weights where candle loaded them (dense rows or GGUF
 //! blocks, never copied) and the KV cache in place, with f32 activations (Q4_K and Q6_K rows take
 //! int8 ones, as llama.cpp's CUDA kernels do for every quantized matrix). The launch
-//! sequence is captured once as a CUDA graph and replayed each token, for every sequence: the
+//! sequence is captured as a CUDA graph, once per count of blocks a head's attention takes (one,
+//! or more for long contexts: `attend_splits`), and replayed each token, for every sequence: the
 //! position and the KV buffers' addresses are read from device memory, written before each step,
 //! and a first shard's token is embedded by the step's first kernel (no lookup outside the graph).
 //! Also the sampler's CUDA side: a temperature draw or top-k / top-p / min-p candidates computed
 //! where the logits are, and page-locked copies of whole rows; and for prompts, Q4_K / Q6_K
-//! matrices dequantized to f16 for cuBLAS (`with_dequantized_f16`), and prompts' attention
+//! matrices dequantized to f16 and stacked for cuBLAS (`with_dequantized_f16`), and prompts' attention
 //! softmax and gated product each in one pass (`attention_softmax`, `gated_product`).
 //! What it does not do: prompts' matrix products (t > 1 stay on candle and cuBLAS),
 //! tensor-parallel slices, or
