@@ -216,10 +216,13 @@ fn the_gated_activation_agrees_with_candles_ops() {
 fn decode_attention_agrees_with_a_plain_softmax_over_the_cache() {
     use shoal::engine::kernels::attend::{attend_one, KvView};
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-    let (d, capacity) = (64, 50);
+    let d = 64;
     // Grouped-query shapes (one to eight query heads per KV head), a window of keys that starts
-    // past zero, with and without Gemma's soft-cap, on pools that split a KV head's heads.
-    for (heads, kv_heads, keys, softcap) in [(12, 2, 0..37, None), (4, 1, 5..50, Some(5.0f32)), (8, 8, 0..1, None), (16, 2, 3..29, Some(30.0))] {
+    // past zero, with and without Gemma's soft-cap, on pools that split a KV head's heads; and
+    // contexts long enough to be split into chunks of keys (`CHUNK_KEYS`), evenly or not.
+    let cases = [(12, 2, 0..37, None), (4, 1, 5..50, Some(5.0f32)), (8, 8, 0..1, None), (16, 2, 3..29, Some(30.0)), (12, 2, 3..700, None), (4, 1, 0..1201, Some(30.0))];
+    for (heads, kv_heads, keys, softcap) in cases {
+        let capacity = keys.end.max(50);
         let q = random(&mut rng, heads * d, 1.0);
         let k = random(&mut rng, kv_heads * capacity * d, 1.0);
         let v = random(&mut rng, kv_heads * capacity * d, 1.0);
