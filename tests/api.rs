@@ -253,6 +253,20 @@ fn cluster_and_models_match_the_contract() {
 }
 
 #[test]
+fn a_model_whose_footprint_exceeds_the_offer_is_refused_though_its_file_would_fit() {
+    // Gemma's 253 MB file fits 350 MB; what serving it takes (weights as held, the tied embedding
+    // twice, and a 1,024-position cache: about 430 MB) does not, so asking is refused at once.
+    let node = Node::start(&["serve", "--memory-limit", "350MB", "--context", "1024"]);
+    let source = shoal::engine::model::ModelSource::open(std::path::Path::new(&gemma_path())).expect("gemma opens");
+    let needed = shoal::models::footprint(GEMMA, &source, Some(1024)).total_bytes_on(false);
+    let file = std::fs::metadata(gemma_path()).unwrap().len();
+    assert!(file < 350_000_000 && needed > 350_000_000, "file {file}, footprint {needed}");
+    let (status, e) = block_on(post(&node.url("/v1/completions"), &json!({"model": GEMMA, "prompt": "hi", "max_tokens": 1}).to_string()));
+    assert_eq!((status, e["error"]["code"].as_str()), (400, Some("model_too_large")), "{e}");
+    assert!(e["error"]["message"].as_str().unwrap_or("").contains(&format!("needs {needed} bytes")), "{e}");
+}
+
+#[test]
 fn bare_shoal_serves_the_embedded_ui_with_content_types() {
     // No subcommand: `shoal [options]` is `shoal serve [options]`.
     let node = Node::start(&[]);

@@ -42,25 +42,32 @@ pub fn offered_memory(limit: Option<u64>, loaded_bytes: u64) -> (u64, u64) {
 
 impl App {
     /// Refuses a model larger than the memory the swarm may ever offer for it: this node's
-    /// (`--memory-limit`, or the machine's RAM) plus that of the members that hold its files.
-    /// Less free memory right now only makes `fits` false: a user may load anyway.
+    /// (`--memory-limit`, the machine's RAM, or its GPU's offer) plus that of the members that
+    /// hold its files. What it takes is its footprint as placement counts it (weights and the KV
+    /// cache reserved for the context), held as a GPU holds it where one of those offers (at
+    /// most the CPU's figure: the least any plan needs), or its file's bytes where its header
+    /// cannot be read. Less free memory right now only makes `fits` false: a user may load anyway.
     pub(super) async fn check_fits(&self, model: &LocalModel) -> Result<(), ApiError> {
-        let limit = self.config.memory_limit;
-        let (mut mine, _) = tokio::task::spawn_blocking(move || offered_memory(limit, 0)).await.unwrap_or((0, 0));
+        let (limit, store, local) = (self.config.memory_limit, self.store.clone(), model.clone());
+        let (mut mine, footprint) = tokio::task::spawn_blocking(move || (offered_memory(limit, 0).0, store.details(&local).footprint)).await.unwrap_or((0, None));
+        let mut on_gpu = false;
         let others: u64 = match self.swarm.snapshot().await {
             Ok(s) => {
                 // A GPU node's shards live in GPU memory: its advert offers that, not RAM.
                 if let Some(me) = s.members.iter().find(|m| m.id == s.me && m.gpu.is_some()) {
-                    mine = me.memory_offered;
+                    (mine, on_gpu) = (me.memory_offered, true);
                 }
-                s.members.iter().filter(|m| m.id != s.me && m.models.contains(&model.id)).map(|m| m.memory_offered).sum()
+                let holders: Vec<_> = s.members.iter().filter(|m| m.id != s.me && m.models.contains(&model.id)).collect();
+                on_gpu |= holders.iter().any(|m| m.gpu.is_some());
+                holders.iter().map(|m| m.memory_offered).sum()
             }
             Err(_) => 0,
         };
         let offered = mine.saturating_add(others);
-        if model.size_bytes > offered {
+        let needed = footprint.map_or(model.size_bytes, |f| f.total_bytes_on(on_gpu));
+        if needed > offered {
             let whom = if others == 0 { "this node offers" } else { "the swarm offers" };
-            return Err(ApiError::ModelTooLarge { model: model.id.clone(), reason: format!("it needs {} bytes but {whom} {offered}", model.size_bytes) });
+            return Err(ApiError::ModelTooLarge { model: model.id.clone(), reason: format!("it needs {needed} bytes but {whom} {offered}") });
         }
         Ok(())
     }
