@@ -14,8 +14,8 @@ const INITIAL_CAPACITY: usize = 256;
 pub const RESERVED_POSITIONS: usize = 4096;
 
 /// Bytes one layer's cache takes once it holds `positions` positions: the buffers it grows to
-/// (doubling from `INITIAL_CAPACITY`), in f32, the width on a CPU and for quantized weights on
-/// a GPU (half-precision models keep half-precision caches on a GPU: half of this).
+/// (doubling from `INITIAL_CAPACITY`), in f32, the width on a CPU (a GPU keeps the caches of
+/// half-precision and quantized models at half width, `device::cache_dtype`: half of this).
 pub fn reserved_bytes(kv_heads: usize, head_dim: usize, positions: usize) -> u64 {
     (2 * kv_heads * capacity_for(positions) * head_dim * DType::F32.size_in_bytes()) as u64
 }
