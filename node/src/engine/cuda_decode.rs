@@ -1522,9 +1522,10 @@ impl FusedDecode {
         unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result().map_err(driver)
     }
 
-    /// Blocks a query head's attention takes for a step whose cache holds `keys` positions: one
-    /// up to `attend_split_keys`, then the power of two that gives each at least that many
-    /// keys, at most `attend_max_splits` (each count has a graph of its own, so a handful).
+    /// Blocks a query head's attention is launched with for a step whose cache holds `keys`
+    /// positions: one up to `attend_split_keys`, then ⌈keys ÷ attend_split_keys⌉ rounded up to a
+    /// power of two, at most `attend_max_splits` (each count has a graph of its own, so a
+    /// handful); the kernel shares the keys out over as many of them as that quotient asks.
     fn attend_splits(&self, keys: usize) -> u32 {
         let wanted = keys.div_ceil(self.attend_split_keys as usize).max(1);
         (wanted.next_power_of_two() as u32).min(self.attend_max_splits)
