@@ -97,7 +97,8 @@ fidelity() {
   # Prompts of 128 tokens and more multiply quantized matrices dequantized to f16 (cuBLAS).
   "$CHECK" prompt "$WORK/q15-q4km/model.gguf" --device cuda --tokens 600 || fail=1
   # Decode over a long cache: each head's keys split over several blocks, merged by the last to
-  # finish (3,000 keys: 8 splits of 376); then splits of at least 32 keys (16 of 44, the last 41).
+  # finish (3,000 keys: 6 splits of about 500, 8 blocks a head launched); then splits of at least
+  # 32 keys (16 of 44, the last 41).
   "$CHECK" fused "$WORK/q15-f16" --device cuda --tokens 16 --context 3000 || fail=1
   SHOAL_FUSED_RING=0 "$CHECK" fused "$WORK/q15-q4km/model.gguf" --device cuda --tokens 16 --context 3000 || fail=1
   SHOAL_FUSED_ATTEND_SPLIT_KEYS=32 "$CHECK" fused "$WORK/q15-f16" --device cuda --tokens 16 --context 700 || fail=1
