@@ -351,8 +351,8 @@ pub struct FusedDecode {
     hidden: usize,
     grids: MvGrids,
     attend_threads: u32,
-    /// Long contexts split each head's attention over up to `attend_max_splits` blocks of at
-    /// least `attend_split_keys` keys each (`attend_splits`).
+    /// Long contexts split each head's attention over up to `attend_max_splits` blocks, about
+    /// `attend_split_keys` keys each (`attend_splits`).
     attend_max_splits: u32,
     attend_split_keys: u32,
     /// f16/bf16 warps load their first rows before waiting for the previous kernel (H100s, eight
