@@ -6,7 +6,7 @@
 #   scripts/gpu-check.sh fidelity [fixtures]   fixtures vs transformers on the GPU; Qwen2.5-1.5B-shaped
 #                                   f16 and Q4_K_M: 16 greedy tokens on the GPU equal the CPU's
 #                                   (f16), the fused decode step agrees with candle's ops (also
-#                                   over a 3,000-token cache, attention split over blocks); decoding
+#                                   over a 3,000-token cache, attention shared out over blocks); decoding
 #                                   with the GPU picking each token gives the host loop's; two
 #                                   sequences decoded turn about equal each decoded alone; a
 #                                   600-token Q4_K_M prompt dequantized to f16 is at least as
@@ -96,12 +96,14 @@ fidelity() {
   "$CHECK" interleave "$WORK/q15-q4km/model.gguf" --device cuda --tokens 64 || fail=1
   # Prompts of 128 tokens and more multiply quantized matrices dequantized to f16 (cuBLAS).
   "$CHECK" prompt "$WORK/q15-q4km/model.gguf" --device cuda --tokens 600 || fail=1
-  # Decode over a long cache: each head's keys split over several blocks, merged by the last to
-  # finish (3,000 keys: 6 splits of about 500, 8 blocks a head launched); then splits of at least
-  # 32 keys (16 of 44, the last 41).
+  # Decode over a long cache: each KV head's keys shared out over blocks that each attend for
+  # all its query heads and merge their states together (`attend_group`; 3,000 keys: 94 blocks
+  # of about 32 keys a KV head); then about 120 blocks of 6 keys (each merge lane 4 of them);
+  # then the per-query-head split kept for shapes the grouped kernel does not take.
   "$CHECK" fused "$WORK/q15-f16" --device cuda --tokens 16 --context 3000 || fail=1
   SHOAL_FUSED_RING=0 "$CHECK" fused "$WORK/q15-q4km/model.gguf" --device cuda --tokens 16 --context 3000 || fail=1
-  SHOAL_FUSED_ATTEND_SPLIT_KEYS=32 "$CHECK" fused "$WORK/q15-f16" --device cuda --tokens 16 --context 700 || fail=1
+  SHOAL_FUSED_ATTEND_GROUP_KEYS=1 "$CHECK" fused "$WORK/q15-f16" --device cuda --tokens 16 --context 700 || fail=1
+  SHOAL_FUSED_ATTEND_GROUP=0 "$CHECK" fused "$WORK/q15-f16" --device cuda --tokens 16 --context 3000 || fail=1
 }
 
 bench() { # bench [SHAPE...]: which model shapes (q15, q7, q05, q3, l8; default q15 q7)

@@ -1908,6 +1908,276 @@ __device__ __forceinline__ void attend_heads(AttnArgs a) {
 extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) { attend_heads<false>(a); }
 extern "C" __global__ void __launch_bounds__(512) attend_split(AttnArgs a) { attend_heads<true>(a); }
 
+// ---- `attend_group`: long contexts, a KV head's keys shared out over blocks (flash-decoding) ----
+// `attend` gives each query head a block that streams its KV head's keys, so rep query heads read
+// the same keys rep times over; past a few hundred keys those reads bound it. Here a block takes
+// one KV head and a near-equal run of its keys (at least `split_keys`; the grid is kv_heads ·
+// splits, and the blocks past the run's need end at once) for all rep of its query heads: tiles
+// of GRP_TILE keys and their values are copied into shared memory with cp.async, GRP_STAGES - 1
+// tiles ahead (the first before the wait for q/k/v, since the cache's earlier rows depend on no
+// earlier kernel; the rest of the run is pulled into L2 meanwhile), so each cached byte is read
+// once. Per tile: a thread a (head, key) score, a warp a head's online-softmax update, a thread two
+// output columns of one head. Each block then stores its unnormalized values with each head's max
+// and sum in `partial`, and a flag word holding the step's tag (`count`, kv_heads · splits
+// words); every block polls its group's flags and merges a share of the group's outputs (a unit of
+// 32 values of one head a turn, the splits shared out over its warps), so no single block reads
+// every split's state. A group's blocks wait for one another, so they must all be resident at
+// once: the host sizes the grid to what the GPU holds (`GroupAttend::plan`), the next kernel's
+// blocks start only once every block of this one has, and the earlier kernels' blocks finish
+// without waiting on this one. A process runs one step at a time on a GPU (one stream); only
+// under MPS could another process's grid hold SMs the group needs, and a flag that never comes
+// traps after 5 s (`poll_pause`): the step fails rather than hang.
+#define GRP_THREADS 256
+#define GRP_WARPS (GRP_THREADS / 32)
+#define GRP_MAX_REP 16
+#define GRP_TILE 32            // keys a tile at most (a warp's lanes in the softmax update)
+#define GRP_STAGES 3
+#define GRP_TILE_BYTES 17408   // one tile of keys (or values) at most: 32 rows of 128 f16 + 16 bytes
+#define GRP_MAX_SPLITS 128     // a warp's lanes, four splits each, in the merge
+#define GRP_PAIRS (GRP_MAX_REP * ATTN_MAX_D / 2 / GRP_THREADS)  // a thread's output pairs at most
+
+extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnArgs a) {
+    extern __shared__ __align__(16) uint8_t grp_smem[];
+    __shared__ float kn[ATTN_MAX_D], vn[ATTN_MAX_D];
+    __shared__ float rope_cos[ATTN_MAX_D / 2], rope_sin[ATTN_MAX_D / 2];
+    __shared__ __align__(16) float probs[GRP_MAX_REP][GRP_TILE];
+    __shared__ float run_max[GRP_MAX_REP], run_sum[GRP_MAX_REP], rescale[GRP_MAX_REP];
+    __shared__ float weight[GRP_MAX_SPLITS], reduced[GRP_WARPS][32], denom;
+    trace_mark(a.trace, &trace_started);
+    allow_next_kernel();
+    int splits = a.splits, g = blockIdx.x / splits, split = blockIdx.x % splits, d = a.d;
+    int rep = a.heads / a.kv_heads, h0 = g * rep;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // Written before the step's first kernel, not by the previous one.
+    int pos = (int)*a.pos;
+    unsigned tag = (unsigned)*a.tag;
+    const KvSlot cache = *a.kv;
+    int first = (a.window > 0 && pos + 1 > a.window) ? pos + 1 - a.window : 0;
+    int visible = pos + 1 - first;
+    int want = min(splits, max(1, (visible + a.split_keys - 1) / max(a.split_keys, 1)));
+    int chunk = (visible + want - 1) / want, used = (visible + chunk - 1) / chunk;
+    if (split >= used) {
+        trace_block(a.trace, a.launch);
+        return;
+    }
+    int lo = first + split * chunk, nkeys = min(chunk, pos + 1 - lo);
+    int esize = a.cache_fmt == FMT_F32 ? 4 : 2, row_bytes = d * esize, row = row_bytes + 16;
+    int tile = min(GRP_TILE, GRP_TILE_BYTES / row), ntiles = (nkeys + tile - 1) / tile;
+    uint8_t* tiles = grp_smem;  // [stage][keys, values][tile][row]
+    float* qs = reinterpret_cast<float*>(grp_smem + GRP_STAGES * 2 * tile * row);  // rep · d
+    size_t head_base = (size_t)g * cache.capacity * row_bytes;
+    const uint8_t* kbase = reinterpret_cast<const uint8_t*>(cache.k) + head_base;
+    const uint8_t* vbase = reinterpret_cast<const uint8_t*>(cache.v) + head_base;
+    // Tile t into stage t % GRP_STAGES; a group is committed even past the last tile, so that
+    // `cp_async_wait` counts the same everywhere. This step's key is written after the wait.
+    auto issue = [&](int t) {
+        if (t < ntiles) {
+            // A warp a row of keys or of values, a lane 16 bytes.
+            int k0 = t * tile, n = min(tile, nkeys - k0);
+            uint8_t* st = tiles + (t % GRP_STAGES) * 2 * tile * row;
+            for (int r = warp; r < 2 * n; r += GRP_WARPS) {
+                int m = r >= n, rr = r - m * n, key = lo + k0 + rr;
+                if (key == pos) continue;
+                const uint8_t* src = (m ? vbase : kbase) + (size_t)key * row_bytes;
+                uint8_t* dst = st + (m * tile + rr) * row;
+                for (int c = 16 * lane; c < row_bytes; c += 512) cp_async16(dst + c, src + c);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int t = 0; t < GRP_STAGES - 1; t++) issue(t);
+    // The later tiles into L2 meanwhile.
+    for (size_t off = (size_t)(GRP_STAGES - 1) * tile * row_bytes + threadIdx.x * 128; off < (size_t)nkeys * row_bytes; off += GRP_THREADS * 128) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(kbase + (size_t)lo * row_bytes + off));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(vbase + (size_t)lo * row_bytes + off));
+    }
+    for (int i = threadIdx.x; i < d / 2; i += GRP_THREADS) sincosf((float)pos * a.inv_freq[i], &rope_sin[i], &rope_cos[i]);
+    if (threadIdx.x < GRP_MAX_REP) run_max[threadIdx.x] = -INFINITY, run_sum[threadIdx.x] = 0.f;
+    __syncthreads();  // the rotation table
+    if (!a.tagged) wait_for_previous_kernel();
+    trace_mark(a.trace, &trace_waited);
+    // A warp a job: the group's query heads, then its key, then its value.
+    int kin = a.heads * d + g * d, vin = a.heads * d + a.kv_heads * d + g * d;
+    for (int j = warp; j < rep + 2; j += GRP_WARPS) {
+        float* dst = j < rep ? qs + j * d : j == rep ? kn : vn;
+        int at = j < rep ? (h0 + j) * d : j == rep ? kin : vin;
+        if (a.tagged) {
+            load_tagged_warp(a.qkv + 2 * at, d, tag, dst);
+            __syncwarp();
+        }
+        if (j <= rep) warp_norm_rope(dst, a.tagged ? dst : a.qkv + at, j < rep ? a.q_norm : a.k_norm, a.eps, rope_cos, rope_sin, d, a.rope_halves);
+        else if (!a.tagged)
+            for (int i = lane; i < d; i += 32) dst[i] = a.qkv[at + i];
+    }
+    __syncthreads();
+    trace_mark(a.trace, &trace_ready);
+    if (split == 0) {
+        for (int i = threadIdx.x; i < d; i += GRP_THREADS) {
+            cache_store(cache.k, a.cache_fmt, (size_t)g * cache.capacity * d + (size_t)pos * d + i, kn[i]);
+            cache_store(cache.v, a.cache_fmt, (size_t)g * cache.capacity * d + (size_t)pos * d + i, vn[i]);
+        }
+    }
+    float acc[2 * GRP_PAIRS];
+#pragma unroll
+    for (int e = 0; e < 2 * GRP_PAIRS; e++) acc[e] = 0.f;
+    int half = d / 2;
+    for (int t = 0; t < ntiles; t++) {
+        issue(t + GRP_STAGES - 1);
+        cp_async_wait<GRP_STAGES - 1>();  // tile t's copies have landed
+        __syncthreads();
+        uint8_t* kt = tiles + (t % GRP_STAGES) * 2 * tile * row;
+        uint8_t* vt = kt + tile * row;
+        int k0 = t * tile, n = min(tile, nkeys - k0), mine = pos - lo - k0;
+        if (mine >= 0 && mine < n) {  // this step's key and value, from shared memory
+            for (int i = threadIdx.x; i < d; i += GRP_THREADS) {
+                cache_store(kt + mine * row, a.cache_fmt, i, kn[i]);
+                cache_store(vt + mine * row, a.cache_fmt, i, vn[i]);
+            }
+            __syncthreads();
+        }
+        for (int i = threadIdx.x; i < rep * tile; i += GRP_THREADS) {
+            int r = i / tile, j = i % tile;
+            float s = -INFINITY;
+            if (j < n) {
+                // Four chunks of 8 at a time, each its own sum: their loads in flight together.
+                const float* qr = qs + r * d;
+                float sums[4] = {0.f, 0.f, 0.f, 0.f};
+                for (int c = 0; c < d; c += 32) {
+                    float kv[4][8];
+#pragma unroll
+                    for (int e = 0; e < 4; e++) cache_load8(kt + j * row, a.cache_fmt, c + 8 * e, kv[e]);
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        float4 q0 = *reinterpret_cast<const float4*>(qr + c + 8 * e), q1 = *reinterpret_cast<const float4*>(qr + c + 8 * e + 4);
+                        sums[e] = fmaf(q0.x, kv[e][0], fmaf(q0.y, kv[e][1], fmaf(q0.z, kv[e][2], fmaf(q0.w, kv[e][3], sums[e]))));
+                        sums[e] = fmaf(q1.x, kv[e][4], fmaf(q1.y, kv[e][5], fmaf(q1.z, kv[e][6], fmaf(q1.w, kv[e][7], sums[e]))));
+                    }
+                }
+                s = ((sums[0] + sums[1]) + (sums[2] + sums[3])) * a.scale;
+                if (a.softcap > 0.f) s = tanhf(s / a.softcap) * a.softcap;
+            }
+            probs[r][j] = s;
+        }
+        __syncthreads();
+        for (int r = warp; r < rep; r += GRP_WARPS) {
+            float s = lane < n ? probs[r][lane] : -INFINITY, mx = s;
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            float m = run_max[r], mn = fmaxf(m, mx);
+            float c = m == -INFINITY ? 0.f : exp2f((m - mn) * LOG2E);
+            float p = s == -INFINITY ? 0.f : exp2f((s - mn) * LOG2E);
+            if (lane < tile) probs[r][lane] = p;
+            float total = warp_sum(p);
+            if (lane == 0) run_sum[r] = run_sum[r] * c + total, run_max[r] = mn, rescale[r] = c;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int u = 0; u < GRP_PAIRS; u++) {
+            int i = threadIdx.x + u * GRP_THREADS;
+            if (i < rep * half) {
+                int r = i / half, c = 2 * (i % half);
+                // Four keys at a time, each its own sums (rows past n hold no values: zeros).
+                float o0[4] = {0.f, 0.f, 0.f, 0.f}, o1[4] = {0.f, 0.f, 0.f, 0.f};
+                const uint8_t* vc = vt + c * esize;
+                for (int j = 0; j < n; j += 4) {
+                    float4 p4 = *reinterpret_cast<const float4*>(&probs[r][j]);
+                    float p[4] = {p4.x, p4.y, p4.z, p4.w}, v0[4], v1[4];
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        if (j + e >= n) {
+                            v0[e] = v1[e] = 0.f;
+                        } else if (a.cache_fmt == FMT_F32) {
+                            float2 f = *reinterpret_cast<const float2*>(vc + (j + e) * row);
+                            v0[e] = f.x, v1[e] = f.y;
+                        } else {
+                            widen2(*reinterpret_cast<const uint32_t*>(vc + (j + e) * row), a.cache_fmt, &v0[e], &v1[e]);
+                        }
+                    }
+#pragma unroll
+                    for (int e = 0; e < 4; e++) o0[e] = fmaf(p[e], v0[e], o0[e]), o1[e] = fmaf(p[e], v1[e], o1[e]);
+                }
+                float c0 = rescale[r];
+                acc[2 * u] = fmaf(acc[2 * u], c0, (o0[0] + o0[1]) + (o0[2] + o0[3]));
+                acc[2 * u + 1] = fmaf(acc[2 * u + 1], c0, (o1[0] + o1[1]) + (o1[2] + o1[3]));
+            }
+        }
+        __syncthreads();  // the stage and the probabilities are free again
+    }
+    cp_async_wait<0>();
+    // This block's state, made visible before its flag says so.
+    size_t stride = (size_t)rep * (d + 2);
+    float* parts = a.partial + (size_t)g * splits * stride;
+    float* own = parts + (size_t)split * stride;
+#pragma unroll
+    for (int u = 0; u < GRP_PAIRS; u++) {
+        int i = threadIdx.x + u * GRP_THREADS;
+        if (i < rep * half) *reinterpret_cast<float2*>(own + 2 * i) = make_float2(acc[2 * u], acc[2 * u + 1]);
+    }
+    if (threadIdx.x < rep) own[rep * d + threadIdx.x] = run_max[threadIdx.x], own[rep * d + rep + threadIdx.x] = run_sum[threadIdx.x];
+    __threadfence();
+    __syncthreads();
+    unsigned* flags = a.count + (size_t)g * splits;
+    if (threadIdx.x == 0) asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(flags + split), "r"(tag) : "memory");
+    // Every split of the group has stored its state (a lane polls up to four flags).
+    if (warp == 0) {
+        unsigned long long since = 0;
+        for (int s = lane; s < used; s += 32) {
+            for (;;) {
+                unsigned f;
+                asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(f) : "l"(flags + s) : "memory");
+                if (f == tag) break;
+                poll_pause(&since);
+            }
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    // This block's units of the group's outputs: 32 values of one head each, the splits shared
+    // out over the warps, every split's weight computed once (read past L1).
+    for (int unit = split; unit < rep * d / 32; unit += used) {
+        int r = unit * 32 / d, col = unit * 32 % d;
+        if (warp == 0) {
+            float ms[4], mx = -INFINITY;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int s = lane + 32 * e;
+                ms[e] = s < used ? __ldcg(parts + s * stride + rep * d + r) : -INFINITY;
+                mx = fmaxf(mx, ms[e]);
+            }
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+            float den = 0.f;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int s = lane + 32 * e;
+                float c = ms[e] != -INFINITY ? exp2f((ms[e] - mx) * LOG2E) : 0.f;
+                if (s < GRP_MAX_SPLITS) weight[s] = c;
+                if (s < used) den += __ldcg(parts + s * stride + rep * d + rep + r) * c;
+            }
+            den = warp_sum(den);
+            if (lane == 0) denom = den;
+        }
+        __syncthreads();
+        float nums[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int s = warp, k = 0; s < used; s += GRP_WARPS, k++) nums[k & 3] = fmaf(__ldcg(parts + s * stride + r * d + col + lane), weight[s], nums[k & 3]);
+        reduced[warp][lane] = (nums[0] + nums[1]) + (nums[2] + nums[3]);
+        __syncthreads();
+        if (warp == 0) {
+            float v = 0.f;
+#pragma unroll
+            for (int w = 0; w < GRP_WARPS; w++) v += reduced[w][lane];
+            v /= denom;
+            int at = (h0 + r) * d + col;
+            if (a.out_q8) store_q8_tagged(a.out, a.heads * d, at, v, tag);
+            else if (a.tagged) store_tagged(a.out, at + lane, v, tag);
+            else a.out[at + lane] = v;
+        }
+        __syncthreads();
+    }
+    trace_block(a.trace, a.launch);
+}
+
 // Each of this thread's logits, `f(value, index)`: float4s strided over the block, four loads in
 // flight, where the row is 16-byte aligned (the logits are in L2: the latency of one load at a
 // time, not bandwidth, bounds a pass), then the tail. Indices reach a thread in increasing order.

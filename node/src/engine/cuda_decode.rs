@@ -2,7 +2,7 @@
 //! layer (`cuda/decode.cu`), reading the weights where candle loaded them (dense rows or GGUF
 //! blocks, never copied) and the KV cache in place, with f32 activations (Q4_K and Q6_K rows take
 //! int8 ones, as llama.cpp's CUDA kernels do for every quantized matrix). The launch
-//! sequence is captured as a CUDA graph, once per count of blocks a head's attention takes (one,
+//! sequence is captured as a CUDA graph, once per count of blocks attention takes (one a head,
 //! or more for long contexts: `attend_splits`), and replayed each token, for every sequence: the
 //! position and the KV buffers' addresses are read from device memory, written before each step,
 //! and a first shard's token is embedded by the step's first kernel (no lookup outside the graph).
@@ -340,6 +340,9 @@ pub struct FusedDecode {
     attend: CudaFunction,
     /// `attend_split`: a head's keys over several blocks (long contexts; `attend_splits`).
     attend_split: CudaFunction,
+    /// `attend_group`: a KV head's keys over several blocks for all its query heads (long
+    /// contexts), where every layer's shape allows it.
+    attend_group: Option<GroupAttend>,
     add_norm: CudaFunction,
     embed_row: CudaFunction,
     /// Rows of the embedding table when the step embeds its own token (`Launch::Embed`).
@@ -864,6 +867,49 @@ fn ring_blocks_per_sm(smem_per_sm: usize, reserved: usize, bytes: usize) -> u32 
     (smem_per_sm / (bytes + reserved + 1024)).clamp(1, 4) as u32
 }
 
+/// Threads of an `attend_group` block (`GRP_THREADS` in decode.cu).
+const GROUP_THREADS: u32 = 256;
+
+/// `attend_group` (decode.cu): long contexts' attention, a block per KV head and run of its keys.
+struct GroupAttend {
+    function: CudaFunction,
+    /// Blocks a KV head's keys are shared out over: as many as fit on the GPU at once (two an SM
+    /// at most, its launch bounds), over every KV head, at most `GRP_MAX_SPLITS` (128).
+    max_splits: u32,
+    /// Fewest keys a block takes (`SHOAL_FUSED_ATTEND_GROUP_KEYS`).
+    split_keys: u32,
+}
+
+impl GroupAttend {
+    /// The grouped kernel where every layer's attention fits it (at most 16 query heads a KV
+    /// head, head dims a multiple of 32, its shared memory within a block's limit), else `None`: long
+    /// contexts then split each query head instead (`attend_split`). `SHOAL_FUSED_ATTEND_GROUP=0`
+    /// turns it off. A group's blocks wait for one another, so the grid never exceeds what the
+    /// GPU holds at once: blocks an SM by shared memory (and the static part, under 8 KB).
+    fn plan(launches: &[Launch], p: &Planner, function: CudaFunction) -> Result<Option<Self>> {
+        let attends: Vec<&AttnArgs> = launches.iter().filter_map(|l| if let Launch::Attend { args } = l { Some(args) } else { None }).collect();
+        let fits = |a: &&AttnArgs| a.heads / a.kv_heads <= 16 && a.d % 32 == 0 && group_smem(a) as usize <= p.smem_limit;
+        let kv_heads = attends.iter().map(|a| a.kv_heads as u32).max().unwrap_or(1);
+        let most = attends.iter().map(|a| group_smem(a)).max().unwrap_or(0);
+        let per_sm = ring_blocks_per_sm(p.smem_per_sm, p.smem_reserved, most as usize + 8192).min(2);
+        let max_splits = tuned("ATTEND_GROUP_SPLITS", per_sm * p.sms / kv_heads).min(per_sm * p.sms / kv_heads).min(128);
+        if tuned("ATTEND_GROUP", 1) == 0 || max_splits < 2 || attends.is_empty() || !attends.iter().all(fits) {
+            return Ok(None);
+        }
+        function.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, most as i32).map_err(driver)?;
+        Ok(Some(GroupAttend { function, max_splits, split_keys: tuned("ATTEND_GROUP_KEYS", 32).max(1) }))
+    }
+}
+
+/// Dynamic shared memory of an `attend_group` block, as decode.cu lays it out: `GRP_STAGES` (3)
+/// tiles of keys and of values, each at most 32 rows of the head's bytes plus 16 and at most
+/// `GRP_TILE_BYTES` (17,408), then the group's query heads in f32.
+fn group_smem(a: &AttnArgs) -> u32 {
+    let row = a.d as u32 * if a.cache_fmt == FMT_F32 { 4 } else { 2 } + 16;
+    let tile = (17_408 / row).min(32);
+    3 * 2 * tile * row + (a.heads / a.kv_heads) as u32 * a.d as u32 * 4
+}
+
 /// Dynamic shared memory of one `mv` block: its input slice as f32; for Q4_K rows also a second
 /// copy in the order their kernel reads, and the sums of each 16 values. The ring kernel
 /// (`stream` stages) holds the input as int8 with its scales and sums, then its ring of rows
@@ -1066,6 +1112,7 @@ impl FusedDecode {
         let stream = cuda.cuda_stream();
         let load = |name: &str| cuda.get_or_load_custom_func(name, MODULE, PTX).map(|f| f.into_cuda_function());
         let (attend, attend_split, add_norm, embed_row) = (load("attend")?, load("attend_split")?, load("add_norm")?, load("embed_row")?);
+        let attend_group = load("attend_group")?;
         // The dynamic shared memory a block may ask for: the GPU's per-block limit less the
         // kernels' static shared memory (block sums' scratch, the trace marks; under 1 KB).
         let optin = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(driver)? as usize;
@@ -1203,12 +1250,14 @@ impl FusedDecode {
             down[0] = tagged(down[0], true, false);
             launches.extend(down);
         }
-        // Each split attention's partial states and counters (after the layers' other buffers,
-        // which so lie where they did before splits existed).
+        // Each split attention's partial states and counters, or the grouped splits' flags
+        // (after the layers' other buffers, which so lie where they did before splits existed).
+        let attend_group = GroupAttend::plan(&launches, &p, attend_group)?;
+        let most_splits = attend_max_splits.max(attend_group.as_ref().map_or(1, |g| g.max_splits)) as usize;
         for l in &mut launches {
             if let Launch::Attend { args } = l {
-                args.partial = p.scratch(args.heads as usize * attend_max_splits as usize * (args.d as usize + 2))?;
-                args.count = p.scratch(args.heads as usize)?;
+                args.partial = p.scratch(args.heads as usize * most_splits * (args.d as usize + 2))?;
+                args.count = p.scratch((args.heads as usize).max(args.kv_heads as usize * most_splits))?;
             }
         }
         let mut logits = None;
@@ -1300,6 +1349,7 @@ impl FusedDecode {
             mv,
             attend,
             attend_split,
+            attend_group,
             add_norm,
             embed_row,
             embed_rows,
@@ -1522,13 +1572,17 @@ impl FusedDecode {
         unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result().map_err(driver)
     }
 
-    /// Blocks a query head's attention is launched with for a step whose cache holds `keys`
-    /// positions: one up to `attend_split_keys`, then ⌈keys ÷ attend_split_keys⌉ rounded up to a
-    /// power of two, at most `attend_max_splits` (each count has a graph of its own, so a
-    /// handful); the kernel shares the keys out over as many of them as that quotient asks.
+    /// Splits of attention for a step whose cache holds `keys` positions (each count has a graph
+    /// of its own): one up to `attend_split_keys`; past it the grouped kernel's
+    /// `GroupAttend::max_splits` blocks a KV head, of which it uses as many as give each at least
+    /// `split_keys` keys; without it, blocks a query head: ⌈keys ÷ attend_split_keys⌉ rounded up
+    /// to a power of two, at most `attend_max_splits`, shared out as that quotient asks.
     fn attend_splits(&self, keys: usize) -> u32 {
         let wanted = keys.div_ceil(self.attend_split_keys as usize).max(1);
-        (wanted.next_power_of_two() as u32).min(self.attend_max_splits)
+        match &self.attend_group {
+            Some(group) if wanted > 1 => group.max_splits,
+            _ => (wanted.next_power_of_two() as u32).min(self.attend_max_splits),
+        }
     }
 
     /// Every kernel of one step, in order (the KV buffers are in `Buffers::step`), attention in
@@ -1553,8 +1607,17 @@ impl FusedDecode {
                 }
                 Launch::Attend { mut args } => {
                     (args.trace, args.launch, args.splits, args.split_keys) = (trace, i as i32, splits as i32, self.attend_split_keys as i32);
-                    let cfg = LaunchConfig { grid_dim: (args.heads as u32 * splits, 1, 1), block_dim: (self.attend_threads, 1, 1), shared_mem_bytes: 0 };
-                    let kernel = if splits > 1 { &self.attend_split } else { &self.attend };
+                    let (kernel, cfg) = match &self.attend_group {
+                        Some(group) if splits > 1 => {
+                            args.split_keys = group.split_keys as i32;
+                            let cfg = LaunchConfig { grid_dim: (args.kv_heads as u32 * splits, 1, 1), block_dim: (GROUP_THREADS, 1, 1), shared_mem_bytes: group_smem(&args) };
+                            (&group.function, cfg)
+                        }
+                        _ => {
+                            let cfg = LaunchConfig { grid_dim: (args.heads as u32 * splits, 1, 1), block_dim: (self.attend_threads, 1, 1), shared_mem_bytes: 0 };
+                            (if splits > 1 { &self.attend_split } else { &self.attend }, cfg)
+                        }
+                    };
                     // SAFETY: as above; `step` names caches with `capacity` > position rows
                     // (reserved); `partial` and `count` hold `heads` × the most splits.
                     unsafe { self.launch(kernel, cfg, &mut [(&raw mut args).cast()]) }?;
