@@ -6,7 +6,8 @@
 #   scripts/gpu-check.sh fidelity [fixtures]   fixtures vs transformers on the GPU; Qwen2.5-1.5B-shaped
 #                                   f16 and Q4_K_M: 16 greedy tokens on the GPU equal the CPU's
 #                                   (f16), the fused decode step agrees with candle's ops (also
-#                                   over a 3,000-token cache, attention shared out over blocks); decoding
+#                                   over a 3,000-token cache, attention shared out over blocks, and a
+#                                   bf16 0.5B-shaped model's over 1,500); decoding
 #                                   with the GPU picking each token gives the host loop's; two
 #                                   sequences decoded turn about equal each decoded alone; a
 #                                   600-token Q4_K_M prompt dequantized to f16 is at least as
@@ -104,6 +105,12 @@ fidelity() {
   SHOAL_FUSED_RING=0 "$CHECK" fused "$WORK/q15-q4km/model.gguf" --device cuda --tokens 16 --context 3000 || fail=1
   SHOAL_FUSED_ATTEND_GROUP_KEYS=1 "$CHECK" fused "$WORK/q15-f16" --device cuda --tokens 16 --context 700 || fail=1
   SHOAL_FUSED_ATTEND_GROUP=0 "$CHECK" fused "$WORK/q15-f16" --device cuda --tokens 16 --context 3000 || fail=1
+  # The grouped kernel's bf16 tensor-core products: a 0.5B-shaped bf16 model (d = 64, 7 query
+  # heads a KV head).
+  if [[ ! -f $WORK/q05-bf16/config.json ]]; then
+    python3 "$here/scripts/make-random-model.py" --shape qwen2.5-0.5b --out "$WORK/q05-bf16" --dtype bf16 --tokenizer "$TOK" >/dev/null || fail=1
+  fi
+  "$CHECK" fused "$WORK/q05-bf16" --device cuda --tokens 16 --context 1500 || fail=1
 }
 
 bench() { # bench [SHAPE...]: which model shapes (q15, q7, q05, q3, l8; default q15 q7)

@@ -1916,8 +1916,10 @@ extern "C" __global__ void __launch_bounds__(512) attend_split(AttnArgs a) { att
 // of GRP_TILE keys and their values are copied into shared memory with cp.async, GRP_STAGES - 1
 // tiles ahead (the first before the wait for q/k/v, since the cache's earlier rows depend on no
 // earlier kernel; the rest of the run is pulled into L2 meanwhile), so each cached byte is read
-// once. Per tile: a thread a (head, key) score, a warp a head's online-softmax update, a thread two
-// output columns of one head. Each block then stores its unnormalized values with each head's max
+// once. The group's query heads (at most 16) are the rows of tensor-core products (`mma.sync`
+// m16n8k16, f16 or bf16 as the cache, f32 sums): per tile, four warps score 8 keys each, a warp
+// updates a head's online softmax in f32, and every warp multiplies the probabilities by its
+// n-tiles of the values, its sums held in registers across tiles. Each block then stores its unnormalized values with each head's max
 // and sum in `partial`, and a flag word holding the step's tag (`count`, kv_heads · splits
 // words); every block polls its group's flags and merges a share of the group's outputs (a unit of
 // 32 values of one head a turn, the splits shared out over its warps), so no single block reads
@@ -1934,13 +1936,33 @@ extern "C" __global__ void __launch_bounds__(512) attend_split(AttnArgs a) { att
 #define GRP_STAGES 3
 #define GRP_TILE_BYTES 17408   // one tile of keys (or values) at most: 32 rows of 128 f16 + 16 bytes
 #define GRP_MAX_SPLITS 128     // a warp's lanes, four splits each, in the merge
-#define GRP_PAIRS (GRP_MAX_REP * ATTN_MAX_D / 2 / GRP_THREADS)  // a thread's output pairs at most
+#define GRP_MMA_ROWS 16        // an mma's rows: the query heads, padded
+#define GRP_NTILES (ATTN_MAX_D / 8 / GRP_WARPS)  // a warp's n-tiles of 8 output columns at most
+
+// D += A (16 x 16, row-major) · B (16 x 8, column-major), f32 sums of f16 or bf16 products.
+__device__ __forceinline__ void mma16816(float* c, const uint32_t* a, const uint32_t* b, bool bf16) {
+    if (bf16)
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    else
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ uint32_t lds32(const void* p) { return *reinterpret_cast<const uint32_t*>(p); }
+// Two 16-bit values (lo from p, hi from q) in one register, as mma's B fragments pair them.
+__device__ __forceinline__ uint32_t pack16(const uint8_t* p, const uint8_t* q) {
+    return (uint32_t)*reinterpret_cast<const uint16_t*>(p) | ((uint32_t)*reinterpret_cast<const uint16_t*>(q) << 16);
+}
+__device__ __forceinline__ uint16_t to_bits16(float x, bool bf16) {
+    return bf16 ? __bfloat16_as_ushort(__float2bfloat16(x)) : __half_as_ushort(__float2half(x));
+}
 
 extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnArgs a) {
     extern __shared__ __align__(16) uint8_t grp_smem[];
     __shared__ float kn[ATTN_MAX_D], vn[ATTN_MAX_D];
     __shared__ float rope_cos[ATTN_MAX_D / 2], rope_sin[ATTN_MAX_D / 2];
     __shared__ __align__(16) float probs[GRP_MAX_REP][GRP_TILE];
+    __shared__ __align__(16) uint16_t q16[GRP_MMA_ROWS][ATTN_MAX_D + 8], p16[GRP_MMA_ROWS][GRP_TILE + 8];
     __shared__ float run_max[GRP_MAX_REP], run_sum[GRP_MAX_REP], rescale[GRP_MAX_REP];
     __shared__ float weight[GRP_MAX_SPLITS], reduced[GRP_WARPS][32], denom;
     trace_mark(a.trace, &trace_started);
@@ -1982,6 +2004,9 @@ extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnAr
                 uint8_t* dst = st + (m * tile + rr) * row;
                 for (int c = 16 * lane; c < row_bytes; c += 512) cp_async16(dst + c, src + c);
             }
+            // Value rows past the run hold zeros: a zero probability times stale bits could be NaN.
+            for (int r = n + warp; r < tile; r += GRP_WARPS)
+                for (int c = 16 * lane; c < row_bytes; c += 512) *reinterpret_cast<uint4*>(st + (tile + r) * row + c) = make_uint4(0, 0, 0, 0);
         }
         cp_async_commit();
     };
@@ -2011,17 +2036,25 @@ extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnAr
             for (int i = lane; i < d; i += 32) dst[i] = a.qkv[at + i];
     }
     __syncthreads();
-    trace_mark(a.trace, &trace_ready);
     if (split == 0) {
         for (int i = threadIdx.x; i < d; i += GRP_THREADS) {
             cache_store(cache.k, a.cache_fmt, (size_t)g * cache.capacity * d + (size_t)pos * d + i, kn[i]);
             cache_store(cache.v, a.cache_fmt, (size_t)g * cache.capacity * d + (size_t)pos * d + i, vn[i]);
         }
     }
-    float acc[2 * GRP_PAIRS];
+    // The query heads as the rows of `mma` products, in the cache's format (rows past rep zero),
+    // and the probabilities' rows likewise (zero until a tile's softmax writes them).
+    bool bf16 = a.cache_fmt == FMT_BF16;
+    for (int i = threadIdx.x; i < GRP_MMA_ROWS * d; i += GRP_THREADS) {
+        int r = i / d, c = i % d;
+        q16[r][c] = r < rep ? to_bits16(qs[r * d + c], bf16) : 0;
+    }
+    for (int i = threadIdx.x; i < GRP_MMA_ROWS * (GRP_TILE + 8); i += GRP_THREADS) p16[i / (GRP_TILE + 8)][i % (GRP_TILE + 8)] = 0;
+    // A warp's sums: its n-tiles of 8 output columns, rows mr and mr + 8 of each (mma's C layout).
+    int mr = lane >> 2, tig = lane & 3;
+    float acc[4 * GRP_NTILES];
 #pragma unroll
-    for (int e = 0; e < 2 * GRP_PAIRS; e++) acc[e] = 0.f;
-    int half = d / 2;
+    for (int e = 0; e < 4 * GRP_NTILES; e++) acc[e] = 0.f;
     for (int t = 0; t < ntiles; t++) {
         issue(t + GRP_STAGES - 1);
         cp_async_wait<GRP_STAGES - 1>();  // tile t's copies have landed
@@ -2036,28 +2069,24 @@ extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnAr
             }
             __syncthreads();
         }
-        for (int i = threadIdx.x; i < rep * tile; i += GRP_THREADS) {
-            int r = i / tile, j = i % tile;
-            float s = -INFINITY;
-            if (j < n) {
-                // Four chunks of 8 at a time, each its own sum: their loads in flight together.
-                const float* qr = qs + r * d;
-                float sums[4] = {0.f, 0.f, 0.f, 0.f};
-                for (int c = 0; c < d; c += 32) {
-                    float kv[4][8];
-#pragma unroll
-                    for (int e = 0; e < 4; e++) cache_load8(kt + j * row, a.cache_fmt, c + 8 * e, kv[e]);
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        float4 q0 = *reinterpret_cast<const float4*>(qr + c + 8 * e), q1 = *reinterpret_cast<const float4*>(qr + c + 8 * e + 4);
-                        sums[e] = fmaf(q0.x, kv[e][0], fmaf(q0.y, kv[e][1], fmaf(q0.z, kv[e][2], fmaf(q0.w, kv[e][3], sums[e]))));
-                        sums[e] = fmaf(q1.x, kv[e][4], fmaf(q1.y, kv[e][5], fmaf(q1.z, kv[e][6], fmaf(q1.w, kv[e][7], sums[e]))));
-                    }
-                }
-                s = ((sums[0] + sums[1]) + (sums[2] + sums[3])) * a.scale;
-                if (a.softcap > 0.f) s = tanhf(s / a.softcap) * a.softcap;
+        // Scores: a warp 8 keys (one n-tile), d / 16 products over the head's dims.
+        if (warp < tile / 8) {
+            float c[4] = {0.f, 0.f, 0.f, 0.f};
+            const uint8_t* key_row = kt + (warp * 8 + mr) * row;
+            for (int kd = 0; kd < d; kd += 16) {
+                uint32_t af[4] = {lds32(&q16[mr][kd + 2 * tig]), lds32(&q16[mr + 8][kd + 2 * tig]), lds32(&q16[mr][kd + 8 + 2 * tig]), lds32(&q16[mr + 8][kd + 8 + 2 * tig])};
+                uint32_t bf[2] = {lds32(key_row + 2 * (kd + 2 * tig)), lds32(key_row + 2 * (kd + 8 + 2 * tig))};
+                mma16816(c, af, bf, bf16);
             }
-            probs[r][j] = s;
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                int r = mr + 8 * (e >> 1), j = warp * 8 + 2 * tig + (e & 1);
+                if (r < rep) {
+                    float s = c[e] * a.scale;
+                    if (a.softcap > 0.f) s = tanhf(s / a.softcap) * a.softcap;
+                    probs[r][j] = j < n ? s : -INFINITY;
+                }
+            }
         }
         __syncthreads();
         for (int r = warp; r < rep; r += GRP_WARPS) {
@@ -2067,52 +2096,52 @@ extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnAr
             float m = run_max[r], mn = fmaxf(m, mx);
             float c = m == -INFINITY ? 0.f : exp2f((m - mn) * LOG2E);
             float p = s == -INFINITY ? 0.f : exp2f((s - mn) * LOG2E);
-            if (lane < tile) probs[r][lane] = p;
+            if (lane < tile) p16[r][lane] = to_bits16(p, bf16);
             float total = warp_sum(p);
             if (lane == 0) run_sum[r] = run_sum[r] * c + total, run_max[r] = mn, rescale[r] = c;
         }
         __syncthreads();
+        // Values: the sums rescaled, then probabilities (16 rows x the tile's keys) times the
+        // tile's values, a warp its n-tiles of 8 columns.
+        float rs0 = mr < rep ? rescale[mr] : 0.f, rs1 = mr + 8 < rep ? rescale[mr + 8] : 0.f;
+        uint32_t pf[GRP_TILE / 16][4];
 #pragma unroll
-        for (int u = 0; u < GRP_PAIRS; u++) {
-            int i = threadIdx.x + u * GRP_THREADS;
-            if (i < rep * half) {
-                int r = i / half, c = 2 * (i % half);
-                // Four keys at a time, each its own sums (rows past n hold no values: zeros).
-                float o0[4] = {0.f, 0.f, 0.f, 0.f}, o1[4] = {0.f, 0.f, 0.f, 0.f};
-                const uint8_t* vc = vt + c * esize;
-                for (int j = 0; j < n; j += 4) {
-                    float4 p4 = *reinterpret_cast<const float4*>(&probs[r][j]);
-                    float p[4] = {p4.x, p4.y, p4.z, p4.w}, v0[4], v1[4];
+        for (int ks = 0; ks < GRP_TILE / 16; ks++) {
+            int kk = 16 * ks + 2 * tig;
+            pf[ks][0] = lds32(&p16[mr][kk]), pf[ks][1] = lds32(&p16[mr + 8][kk]), pf[ks][2] = lds32(&p16[mr][kk + 8]), pf[ks][3] = lds32(&p16[mr + 8][kk + 8]);
+        }
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        if (j + e >= n) {
-                            v0[e] = v1[e] = 0.f;
-                        } else if (a.cache_fmt == FMT_F32) {
-                            float2 f = *reinterpret_cast<const float2*>(vc + (j + e) * row);
-                            v0[e] = f.x, v1[e] = f.y;
-                        } else {
-                            widen2(*reinterpret_cast<const uint32_t*>(vc + (j + e) * row), a.cache_fmt, &v0[e], &v1[e]);
-                        }
-                    }
+        for (int i = 0; i < GRP_NTILES; i++) {
+            int nt = warp + GRP_WARPS * i;
+            if (nt < d / 8) {
+                float* c = acc + 4 * i;
+                c[0] *= rs0, c[1] *= rs0, c[2] *= rs1, c[3] *= rs1;
+                const uint8_t* col = vt + 2 * (nt * 8 + mr);
 #pragma unroll
-                    for (int e = 0; e < 4; e++) o0[e] = fmaf(p[e], v0[e], o0[e]), o1[e] = fmaf(p[e], v1[e], o1[e]);
+                for (int ks = 0; ks < GRP_TILE / 16; ks++) {
+                    const uint8_t* v = col + (16 * ks + 2 * tig) * row;
+                    uint32_t bf[2] = {pack16(v, v + row), pack16(v + 8 * row, v + 9 * row)};
+                    mma16816(c, pf[ks], bf, bf16);
                 }
-                float c0 = rescale[r];
-                acc[2 * u] = fmaf(acc[2 * u], c0, (o0[0] + o0[1]) + (o0[2] + o0[3]));
-                acc[2 * u + 1] = fmaf(acc[2 * u + 1], c0, (o1[0] + o1[1]) + (o1[2] + o1[3]));
             }
         }
         __syncthreads();  // the stage and the probabilities are free again
     }
     cp_async_wait<0>();
+    // The trace's "ready" here: a block's stage is its q/k/v and its tiles, its work the wait for
+    // its group and the merge.
+    trace_mark(a.trace, &trace_ready);
     // This block's state, made visible before its flag says so.
     size_t stride = (size_t)rep * (d + 2);
     float* parts = a.partial + (size_t)g * splits * stride;
     float* own = parts + (size_t)split * stride;
 #pragma unroll
-    for (int u = 0; u < GRP_PAIRS; u++) {
-        int i = threadIdx.x + u * GRP_THREADS;
-        if (i < rep * half) *reinterpret_cast<float2*>(own + 2 * i) = make_float2(acc[2 * u], acc[2 * u + 1]);
+    for (int i = 0; i < GRP_NTILES; i++) {
+        int col = 8 * (warp + GRP_WARPS * i) + 2 * tig;
+        if (col < d) {
+            if (mr < rep) *reinterpret_cast<float2*>(own + mr * d + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
+            if (mr + 8 < rep) *reinterpret_cast<float2*>(own + (mr + 8) * d + col) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+        }
     }
     if (threadIdx.x < rep) own[rep * d + threadIdx.x] = run_max[threadIdx.x], own[rep * d + rep + threadIdx.x] = run_sum[threadIdx.x];
     __threadfence();

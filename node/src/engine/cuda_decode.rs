@@ -881,14 +881,15 @@ struct GroupAttend {
 }
 
 impl GroupAttend {
-    /// The grouped kernel where every layer's attention fits it (at most 16 query heads a KV
-    /// head, head dims a multiple of 32, its shared memory within a block's limit), else `None`: long
+    /// The grouped kernel where every layer's attention fits it (an f16 or bf16 cache, at most 16
+    /// query heads a KV head, head dims a multiple of 32, its shared memory within a block's
+    /// limit), else `None`: long
     /// contexts then split each query head instead (`attend_split`). `SHOAL_FUSED_ATTEND_GROUP=0`
     /// turns it off. A group's blocks wait for one another, so the grid never exceeds what the
     /// GPU holds at once: blocks an SM by shared memory (and the static part, under 8 KB).
     fn plan(launches: &[Launch], p: &Planner, function: CudaFunction) -> Result<Option<Self>> {
         let attends: Vec<&AttnArgs> = launches.iter().filter_map(|l| if let Launch::Attend { args } = l { Some(args) } else { None }).collect();
-        let fits = |a: &&AttnArgs| a.heads / a.kv_heads <= 16 && a.d % 32 == 0 && group_smem(a) as usize <= p.smem_limit;
+        let fits = |a: &&AttnArgs| a.cache_fmt != FMT_F32 && a.heads / a.kv_heads <= 16 && a.d % 32 == 0 && group_smem(a) as usize <= p.smem_limit;
         let kv_heads = attends.iter().map(|a| a.kv_heads as u32).max().unwrap_or(1);
         let most = attends.iter().map(|a| group_smem(a)).max().unwrap_or(0);
         let per_sm = ring_blocks_per_sm(p.smem_per_sm, p.smem_reserved, most as usize + 8192).min(2);
