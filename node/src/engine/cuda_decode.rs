@@ -819,7 +819,7 @@ impl MvGrids {
 }
 
 /// Whether o's rows go two a warp (`MvGrids::o_pairs`) for a step whose gate/up ring takes
-/// `ring_blocks_per_sm` (None: no ring): where it takes at most 2. o's blocks of 512 threads at 64
+/// `ring_per_sm` blocks an SM (None: no ring): where it takes at most 2. o's blocks of 512 threads at 64
 /// registers then fill half an SM's registers, not all of them (the 7B's o: 112 blocks, not
 /// 224), and the ring's two blocks of 256 threads fit beside them, so they start while attention
 /// and o run and send their first copies before o ends, not after. One H100 (session 42, 64-token
@@ -828,10 +828,10 @@ impl MvGrids {
 /// us a layer; gate/up's first wait 2.8 -> 1.2-1.4 us after o's end, its span 32.8 -> 31.0). Where
 /// the ring takes 4 an SM (the 1.5B) nothing fits beside o, and pairs only slowed o (1.5B Q4_K_M
 /// 1053.3 / 1044.2 -> 1028.7 / 1031.6). `SHOAL_FUSED_O_PAIRS`: 0 never, 1 always.
-fn o_in_pairs(ring_blocks_per_sm: Option<u32>) -> bool {
+fn o_in_pairs(ring_per_sm: Option<u32>) -> bool {
     match overridden("O_PAIRS") {
         Some(n) => n != 0,
-        None => ring_blocks_per_sm.is_some_and(|n| n <= 2),
+        None => ring_per_sm.is_some_and(|n| n <= 2),
     }
 }
 
@@ -855,15 +855,15 @@ struct Planner<'a> {
 /// still gives every warp at least 4 pairs; else 2.
 fn ring_stages(args: &MvArgs, rows: u32, sms: u32, smem_per_sm: usize, reserved: usize, block_limit: usize) -> i32 {
     let bytes = mv_smem(&MvArgs { stream: 3, q4k: 0, ..*args });
-    let per_sm = ring_blocks_per_sm(smem_per_sm, reserved, bytes);
+    let per_sm = blocks_per_sm_by_smem(smem_per_sm, reserved, bytes);
     let warps = sms * per_sm * (MV_THREADS / 32);
     if bytes <= block_limit && per_sm >= 2 && rows >= 4 * warps { 3 } else { 2 }
 }
 
-/// How many blocks of the ring kernel needing `bytes` of dynamic shared memory fit an SM at once
-/// (1 KB more a block for the kernel's static shared memory, under 1 KB), at most `MV_WAVES`' 4
-/// (its registers allow no more).
-fn ring_blocks_per_sm(smem_per_sm: usize, reserved: usize, bytes: usize) -> u32 {
+/// How many blocks needing `bytes` of dynamic shared memory fit an SM at once (1 KB more a block
+/// for static shared memory: the ring kernel's is under 1 KB), at most 4 (the ring kernel's
+/// registers, as `MV_WAVES`, allow no more).
+fn blocks_per_sm_by_smem(smem_per_sm: usize, reserved: usize, bytes: usize) -> u32 {
     (smem_per_sm / (bytes + reserved + 1024)).clamp(1, 4) as u32
 }
 
@@ -881,25 +881,39 @@ struct GroupAttend {
 }
 
 impl GroupAttend {
-    /// The grouped kernel where every layer's attention fits it (an f16 or bf16 cache, at most 16
-    /// query heads a KV head, head dims a multiple of 32, its shared memory within a block's
-    /// limit), else `None`: long
-    /// contexts then split each query head instead (`attend_split`). `SHOAL_FUSED_ATTEND_GROUP=0`
-    /// turns it off. A group's blocks wait for one another, so the grid never exceeds what the
-    /// GPU holds at once: blocks an SM by shared memory (and the static part, under 8 KB).
+    /// The grouped kernel where every layer's attention fits it (`group_splits`), else `None`:
+    /// long contexts then split each query head instead (`attend_split`).
+    /// `SHOAL_FUSED_ATTEND_GROUP=0` turns it off.
     fn plan(launches: &[Launch], p: &Planner, function: CudaFunction) -> Result<Option<Self>> {
         let attends: Vec<&AttnArgs> = launches.iter().filter_map(|l| if let Launch::Attend { args } = l { Some(args) } else { None }).collect();
-        let fits = |a: &&AttnArgs| a.cache_fmt != FMT_F32 && a.heads / a.kv_heads <= 16 && a.d % 32 == 0 && group_smem(a) as usize <= p.smem_limit;
-        let kv_heads = attends.iter().map(|a| a.kv_heads as u32).max().unwrap_or(1);
-        let most = attends.iter().map(|a| group_smem(a)).max().unwrap_or(0);
-        let per_sm = ring_blocks_per_sm(p.smem_per_sm, p.smem_reserved, most as usize + 8192).min(2);
-        let max_splits = tuned("ATTEND_GROUP_SPLITS", per_sm * p.sms / kv_heads).min(per_sm * p.sms / kv_heads).min(128);
-        if tuned("ATTEND_GROUP", 1) == 0 || max_splits < 2 || attends.is_empty() || !attends.iter().all(fits) {
+        let Some(most_splits) = group_splits(&attends, p.sms, p.smem_per_sm, p.smem_reserved, p.smem_limit) else {
+            return Ok(None);
+        };
+        let max_splits = tuned("ATTEND_GROUP_SPLITS", most_splits).min(most_splits);
+        if tuned("ATTEND_GROUP", 1) == 0 || max_splits < 2 {
             return Ok(None);
         }
+        let most = attends.iter().map(|a| group_smem(a)).max().unwrap_or(0);
         function.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, most as i32).map_err(driver)?;
         Ok(Some(GroupAttend { function, max_splits, split_keys: tuned("ATTEND_GROUP_KEYS", 32).max(1) }))
     }
+}
+
+/// Blocks a KV head `attend_group` may launch with. A group's blocks wait for one another, so the
+/// grid is at most what the GPU holds at once: two blocks an SM (its launch bounds), or fewer
+/// where shared memory (with under 8 KB of static) allows fewer, shared over the KV heads, at
+/// most 128 (its merge). `None` where a layer does not fit the kernel (an f16 or bf16 cache, at
+/// most 16 query heads a KV head, head dims a multiple of 32, its shared memory within a block's
+/// limit) or fewer than two blocks a KV head would.
+fn group_splits(attends: &[&AttnArgs], sms: u32, smem_per_sm: usize, reserved: usize, block_limit: usize) -> Option<u32> {
+    let fits = |a: &&AttnArgs| a.cache_fmt != FMT_F32 && a.heads / a.kv_heads <= 16 && a.d % 32 == 0 && group_smem(a) as usize <= block_limit;
+    if attends.is_empty() || !attends.iter().all(fits) {
+        return None;
+    }
+    let kv_heads = attends.iter().map(|a| a.kv_heads as u32).max().unwrap_or(1);
+    let most = attends.iter().map(|a| group_smem(a)).max().unwrap_or(0) as usize;
+    let per_sm = blocks_per_sm_by_smem(smem_per_sm, reserved, most + 8192).min(2);
+    Some(per_sm * sms / kv_heads).filter(|&n| n >= 2).map(|n| n.min(128))
 }
 
 /// Dynamic shared memory of an `attend_group` block, as decode.cu lays it out: `GRP_STAGES` (3)
@@ -1317,14 +1331,14 @@ impl FusedDecode {
         // `SHOAL_KERNEL_OVERLAP=0`: launch each kernel only after the previous one (a diagnostic).
         let overlap = major >= 9 && std::env::var("SHOAL_KERNEL_OVERLAP").map_or(true, |v| v != "0");
         // The ring kernel's grid: as many blocks an SM as its shared memory holds at once
-        // (`ring_blocks_per_sm`). One H100 (session 36, alternating): the 1.5B Q4_K_M's gate/up
+        // (`blocks_per_sm_by_smem`). One H100 (session 36, alternating): the 1.5B Q4_K_M's gate/up
         // (29 KB a block) at 4 an SM decoded 964.2 / 967.3 tok/s against 947.9 / 952.5 at 3; the
         // 7B's (68 KB at 2 stages) fit 3 (4 was slower: a second wave), at 3 stages 2.
         let ring_smem = launches.iter().filter_map(|l| match l {
             Launch::Mv { args, kernel: "mv_gated_q4_k_ring", .. } => Some(mv_smem(args)),
             _ => None,
         });
-        let ring_per_sm = ring_smem.max().map(|bytes| tuned("RING_WAVES", ring_blocks_per_sm(p.smem_per_sm, p.smem_reserved, bytes)));
+        let ring_per_sm = ring_smem.max().map(|bytes| tuned("RING_WAVES", blocks_per_sm_by_smem(p.smem_per_sm, p.smem_reserved, bytes)));
         let grids = MvGrids { ring_blocks: sms * ring_per_sm.unwrap_or(3), o_pairs: o_in_pairs(ring_per_sm), ..grids };
         let attend_threads = tuned("ATTEND_THREADS", 512).clamp(64, 512) / 32 * 32;
         let use_graph = std::env::var("SHOAL_CUDA_GRAPH").map_or(true, |v| v != "0");
@@ -1620,7 +1634,8 @@ impl FusedDecode {
                         }
                     };
                     // SAFETY: as above; `step` names caches with `capacity` > position rows
-                    // (reserved); `partial` and `count` hold `heads` × the most splits.
+                    // (reserved); `partial` holds `heads` × the most splits states and `count`
+                    // `kv_heads` × the most splits flags (at least `heads` counters).
                     unsafe { self.launch(kernel, cfg, &mut [(&raw mut args).cast()]) }?;
                 }
                 Launch::Embed { mut args } => {
@@ -1742,6 +1757,32 @@ mod tests {
         assert_eq!((shape.kernel, shape.pairs, shape.threads, shape.blocks), ("mv_q4_k_q8_pairs", 1, 512, 112));
         // Other launches keep their shapes.
         assert_eq!(grids.shape(kernel, &args, 3584).blocks, 224);
+    }
+
+    #[test]
+    fn grouped_attention_launches_no_more_blocks_than_the_gpu_holds_at_once() {
+        let attn = |heads: i32, kv_heads: i32, d: i32, cache_fmt: i32| AttnArgs { heads, kv_heads, d, cache_fmt, ..AttnArgs::default() };
+        // An H200: 132 SMs of 228 KB, 1 KB reserved a block, 227 KB a block at most.
+        let h200 = |layers: &[AttnArgs]| group_splits(&layers.iter().collect::<Vec<_>>(), 132, 233_472, 1024, 232_448);
+        // Qwen2.5-1.5B (12 query heads, 2 KV heads, d = 128, f16 cache): 54 KB a block, two an SM,
+        // 132 a KV head, capped at the merge's 128.
+        assert_eq!(group_smem(&attn(12, 2, 128, FMT_F16)), 3 * 2 * 32 * 272 + 6 * 128 * 4);
+        assert_eq!(h200(&[attn(12, 2, 128, FMT_F16)]), Some(128));
+        // Qwen2.5-7B (28 / 4): 2 × 132 ÷ 4.
+        assert_eq!(h200(&[attn(28, 4, 128, FMT_F16)]), Some(66));
+        // The layer with the most KV heads bounds the grid; bf16 caches too.
+        assert_eq!(h200(&[attn(28, 4, 128, FMT_BF16), attn(32, 8, 128, FMT_BF16)]), Some(33));
+        // d = 256 with 16 query heads a KV head: 115 KB a block, one an SM, 132 ÷ 2.
+        assert_eq!(h200(&[attn(32, 2, 256, FMT_F16)]), Some(66));
+        // A GPU of 100 KB an SM holds one 1.5B block an SM: 80 ÷ 2.
+        assert_eq!(group_splits(&[&attn(12, 2, 128, FMT_F16)], 80, 102_400, 1024, 101_376), Some(40));
+        // Shapes the kernel does not take keep the per-query-head split.
+        assert_eq!(h200(&[attn(12, 2, 128, FMT_F32)]), None);
+        assert_eq!(h200(&[attn(34, 2, 128, FMT_F16)]), None);
+        assert_eq!(h200(&[attn(12, 2, 80, FMT_F16)]), None);
+        assert_eq!(h200(&[attn(12, 2, 128, FMT_F16), attn(12, 2, 128, FMT_F32)]), None);
+        // Fewer than two blocks a KV head is no split.
+        assert_eq!(group_splits(&[&attn(128, 128, 128, FMT_F16)], 60, 233_472, 1024, 232_448), None);
     }
 
     #[test]
