@@ -1665,7 +1665,8 @@ __device__ __forceinline__ void softmax_merge(float& m, float& l, float* o, floa
 // depends on no earlier kernel is done before waiting for q/k/v: the position's rotation, and the
 // loads of each warp's first ATTN_UNROLL steps of cached keys and values (a context of up to 128
 // keys for d = 128).
-// `attend_split` (SPLIT) takes a long context over several blocks a head (flash-decoding):
+// `attend_split` (SPLIT) takes a long context over several blocks a head (flash-decoding), for
+// shapes `attend_group` (below) does not take:
 // `a.splits` blocks a head in the grid, of which as many take a near-equal run of the visible
 // keys as give each at least `a.split_keys` (the rest end at once). Each writes its warps'
 // merged state unnormalized, with its max and sum, to `a.partial`; the last of a head's splits
