@@ -1932,12 +1932,11 @@ extern "C" __global__ void __launch_bounds__(512) attend_split(AttnArgs a) { att
 // traps after 5 s (`poll_pause`): the step fails rather than hang.
 #define GRP_THREADS 256
 #define GRP_WARPS (GRP_THREADS / 32)
-#define GRP_MAX_REP 16
+#define GRP_MAX_REP 16         // query heads a KV head at most: an mma's rows (fewer are padded)
 #define GRP_TILE 32            // keys a tile at most (a warp's lanes in the softmax update)
 #define GRP_STAGES 3
 #define GRP_TILE_BYTES 17408   // one tile of keys (or values) at most: 32 rows of 128 f16 + 16 bytes
 #define GRP_MAX_SPLITS 128     // a warp's lanes, four splits each, in the merge
-#define GRP_MMA_ROWS 16        // an mma's rows: the query heads, padded
 #define GRP_NTILES (ATTN_MAX_D / 8 / GRP_WARPS)  // a warp's n-tiles of 8 output columns at most
 
 // D += A (16 x 16, row-major) · B (16 x 8, column-major), f32 sums of f16 or bf16 products.
@@ -1963,7 +1962,7 @@ extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnAr
     __shared__ float kn[ATTN_MAX_D], vn[ATTN_MAX_D];
     __shared__ float rope_cos[ATTN_MAX_D / 2], rope_sin[ATTN_MAX_D / 2];
     __shared__ __align__(16) float probs[GRP_MAX_REP][GRP_TILE];
-    __shared__ __align__(16) uint16_t q16[GRP_MMA_ROWS][ATTN_MAX_D + 8], p16[GRP_MMA_ROWS][GRP_TILE + 8];
+    __shared__ __align__(16) uint16_t q16[GRP_MAX_REP][ATTN_MAX_D + 8], p16[GRP_MAX_REP][GRP_TILE + 8];
     __shared__ float run_max[GRP_MAX_REP], run_sum[GRP_MAX_REP], rescale[GRP_MAX_REP];
     __shared__ float weight[GRP_MAX_SPLITS], reduced[GRP_WARPS][32], denom;
     trace_mark(a.trace, &trace_started);
@@ -2046,11 +2045,11 @@ extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnAr
     // The query heads as the rows of `mma` products, in the cache's format (rows past rep zero),
     // and the probabilities' rows likewise (zero until a tile's softmax writes them).
     bool bf16 = a.cache_fmt == FMT_BF16;
-    for (int i = threadIdx.x; i < GRP_MMA_ROWS * d; i += GRP_THREADS) {
+    for (int i = threadIdx.x; i < GRP_MAX_REP * d; i += GRP_THREADS) {
         int r = i / d, c = i % d;
         q16[r][c] = r < rep ? to_bits16(qs[r * d + c], bf16) : 0;
     }
-    for (int i = threadIdx.x; i < GRP_MMA_ROWS * (GRP_TILE + 8); i += GRP_THREADS) p16[i / (GRP_TILE + 8)][i % (GRP_TILE + 8)] = 0;
+    for (int i = threadIdx.x; i < GRP_MAX_REP * (GRP_TILE + 8); i += GRP_THREADS) p16[i / (GRP_TILE + 8)][i % (GRP_TILE + 8)] = 0;
     // A warp's sums: its n-tiles of 8 output columns, rows mr and mr + 8 of each (mma's C layout).
     int mr = lane >> 2, tig = lane & 3;
     float acc[4 * GRP_NTILES];
