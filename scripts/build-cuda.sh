@@ -4,7 +4,8 @@
 # Usage: scripts/build-cuda.sh [--compute-cap 90] [-- extra cargo args]
 #   Prints the path of the stripped binary as the only line on stdout, and packs both binaries
 #   (shoal, examples/device_check) gzipped into .gpu/ for scripts/gpu-check.sh on a GPU machine,
-#   with .gpu/mv_bench (node/cuda/mv_bench.cu: the decode kernels alone, timed per shape) and
+#   with .gpu/mv_bench (node/cuda/mv_bench.cu: the decode kernels alone, timed per shape),
+#   .gpu/attend_bench (node/cuda/attend_bench.cu: long-context attention alone) and
 #   .gpu/residual_read_probe (node/cuda/residual_read_probe.cu: every block reading the residual).
 #
 # What it does (the recipe measured in ../shared/GPU.md):
@@ -80,6 +81,8 @@ gzip -c "$bin" > "$here/.gpu/shoal.gz"
 gzip -c "$CARGO_TARGET_DIR/release/examples/device_check" > "$here/.gpu/device_check.gz"
 # The `mv` kernels alone on the real shapes (a benchmark: run .gpu/mv_bench there).
 nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/mv_bench" "$here/node/cuda/mv_bench.cu" >&2
+# Long-context attention (`attend_group`) alone on the real shapes (.gpu/attend_bench).
+nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/attend_bench" "$here/node/cuda/attend_bench.cu" >&2
 # Every block reading the residual: time per block, one copy or several (.gpu/residual_read_probe).
 nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/residual_read_probe" "$here/node/cuda/residual_read_probe.cu" >&2
 tok="${SHOAL_MODEL_CACHE:-$HOME/.cache/shoal/models}/qwen2.5-coder-1.5b/tokenizer.json"

@@ -1586,7 +1586,8 @@ struct AttnArgs {
     int splits;            // blocks a head (the grid is heads·splits); 1: one block a head
     int split_keys;        // fewest keys a split takes (splits > 1)
     float* partial;        // heads·splits·(d + 2): each split's unnormalized values, max, sum
-    unsigned* count;       // heads: splits of this step done (the last one resets it to 0)
+                           // (`attend_group`: as tagged words, twice the floats)
+    unsigned* count;       // heads (`attend_split`): splits of this step done (the last one resets it to 0)
 };
 
 __device__ __forceinline__ void cache_store(void* c, int fmt, size_t i, float v) {
@@ -1913,30 +1914,33 @@ extern "C" __global__ void __launch_bounds__(512) attend_split(AttnArgs a) { att
 // `attend` gives each query head a block that streams its KV head's keys, so rep query heads read
 // the same keys rep times over; past a few hundred keys those reads bound it. Here a block takes
 // one KV head and a near-equal run of its keys (at least `split_keys`; the grid is kv_heads ·
-// splits, and the blocks past the run's need end at once) for all rep of its query heads: tiles
-// of GRP_TILE keys and their values are copied into shared memory with cp.async, GRP_STAGES - 1
-// tiles ahead (the first before the wait for q/k/v, since the cache's earlier rows depend on no
-// earlier kernel; the rest of the run is pulled into L2 meanwhile), so each cached byte is read
+// splits, and the blocks past the run's need end at once) for all rep of its query heads: its
+// run goes in near-equal tiles of at most GRP_TILE keys (a multiple of 16), each tile's keys and
+// values copied into shared memory with cp.async one tile ahead (the first before the wait for
+// q/k/v, since the cache's earlier rows depend on no earlier kernel), so each cached byte is read
 // once. The group's query heads (at most 16) are the rows of tensor-core products (`mma.sync`
-// m16n8k16, f16 or bf16 as the cache, f32 sums): per tile, four warps score 8 keys each, a warp
-// updates a head's online softmax in f32, and every warp multiplies the probabilities by its
-// n-tiles of the values, its sums held in registers across tiles. Each block then stores its unnormalized values with each head's max
-// and sum in `partial`, and a flag word holding the step's tag (`count`, kv_heads · splits
-// words); every block polls its group's flags and merges a share of the group's outputs (a unit of
-// 32 values of one head a turn, the splits shared out over its warps), so no single block reads
-// every split's state. A group's blocks wait for one another, so they must all be resident at
-// once: the host sizes the grid to what the GPU holds (`GroupAttend::plan`), the next kernel's
-// blocks start only once every block of this one has, and the earlier kernels' blocks finish
-// without waiting on this one. A process runs one step at a time on a GPU (one stream); only
-// under MPS could another process's grid hold SMs the group needs, and a flag that never comes
-// traps after 5 s (`poll_pause`): the step fails rather than hang.
+// m16n8k16, f16 or bf16 as the cache, f32 sums): per tile, a warp scores 8 keys, a warp updates
+// a head's online softmax in f32, and every warp multiplies the probabilities by its n-tiles of
+// the values, its sums held in registers across tiles. Each block then stores its unnormalized
+// values with each head's max and sum in `partial` as tagged words, and merges a share of the
+// group's outputs (a unit of 32 values of one head a turn, the splits shared out over its warps),
+// reading each split's words as they arrive: one round trip where the splits are done, and no
+// single block reads every split's state. (Session 51, `attend_bench`: flags behind a fence,
+// then the merge's three dependent reads, took about 5 µs a launch; 32-key tiles three stages
+// deep, 1.5 µs a tile longer at 16K keys for the 7B; an L2 prefetch of the run gained nothing.)
+// A group's blocks wait for one another, so they must all be resident at once: the host sizes
+// the grid to what the GPU holds (`GroupAttend::plan`), the next kernel's blocks start only once
+// every block of this one has, and the earlier kernels' blocks finish without waiting on this
+// one. A process runs one step at a time on a GPU (one stream); only under MPS could another
+// process's grid hold SMs the group needs, and a value that never comes traps after 5 s
+// (`poll_pause`): the step fails rather than hang.
 #define GRP_THREADS 256
 #define GRP_WARPS (GRP_THREADS / 32)
 #define GRP_MAX_REP 16         // query heads a KV head at most: an mma's rows (fewer are padded)
-#define GRP_TILE 32            // keys a tile at most (a warp's lanes in the softmax update)
-#define GRP_STAGES 3
-#define GRP_TILE_BYTES 17408   // one tile of keys (or values) at most: 32 rows of 128 f16 + 16 bytes
-#define GRP_MAX_SPLITS 128     // a warp's lanes, four splits each, in the merge
+#define GRP_TILE 64            // keys a tile at most (two a lane in the softmax update)
+#define GRP_STAGES 2           // tiles in shared memory: the one in use and the next
+#define GRP_TILE_BYTES 17408   // one tile of keys (or values) at most: 64 rows of 128 f16 + 16 bytes
+#define GRP_MAX_SPLITS 128     // 16 a warp in the merge (lanes k and 16 + k: split k's max and sum)
 #define GRP_NTILES (ATTN_MAX_D / 8 / GRP_WARPS)  // a warp's n-tiles of 8 output columns at most
 
 // D += A (16 x 16, row-major) · B (16 x 8, column-major), f32 sums of f16 or bf16 products.
@@ -1964,7 +1968,7 @@ extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnAr
     __shared__ __align__(16) float probs[GRP_MAX_REP][GRP_TILE];
     __shared__ __align__(16) uint16_t q16[GRP_MAX_REP][ATTN_MAX_D + 8], p16[GRP_MAX_REP][GRP_TILE + 8];
     __shared__ float run_max[GRP_MAX_REP], run_sum[GRP_MAX_REP], rescale[GRP_MAX_REP];
-    __shared__ float weight[GRP_MAX_SPLITS], reduced[GRP_WARPS][32], denom;
+    __shared__ float warp_max[GRP_WARPS], warp_total[GRP_WARPS], warp_num[GRP_WARPS][32];
     trace_mark(a.trace, &trace_started);
     allow_next_kernel();
     int splits = a.splits, g = blockIdx.x / splits, split = blockIdx.x % splits, d = a.d;
@@ -1984,7 +1988,9 @@ extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnAr
     }
     int lo = first + split * chunk, nkeys = min(chunk, pos + 1 - lo);
     int esize = a.cache_fmt == FMT_F32 ? 4 : 2, row_bytes = d * esize, row = row_bytes + 16;
-    int tile = min(GRP_TILE, GRP_TILE_BYTES / row), ntiles = (nkeys + tile - 1) / tile;
+    // As few tiles as the stage allows, near-equal and a multiple of 16 keys (an mma's depth).
+    int most = min(GRP_TILE, GRP_TILE_BYTES / row / 16 * 16), ntiles = (nkeys + most - 1) / most;
+    int tile = ((nkeys + ntiles - 1) / ntiles + 15) / 16 * 16;
     uint8_t* tiles = grp_smem;  // [stage][keys, values][tile][row]
     float* qs = reinterpret_cast<float*>(grp_smem + GRP_STAGES * 2 * tile * row);  // rep · d
     size_t head_base = (size_t)g * cache.capacity * row_bytes;
@@ -2012,11 +2018,6 @@ extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnAr
     };
 #pragma unroll
     for (int t = 0; t < GRP_STAGES - 1; t++) issue(t);
-    // The later tiles into L2 meanwhile.
-    for (size_t off = (size_t)(GRP_STAGES - 1) * tile * row_bytes + threadIdx.x * 128; off < (size_t)nkeys * row_bytes; off += GRP_THREADS * 128) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(kbase + (size_t)lo * row_bytes + off));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(vbase + (size_t)lo * row_bytes + off));
-    }
     for (int i = threadIdx.x; i < d / 2; i += GRP_THREADS) sincosf((float)pos * a.inv_freq[i], &rope_sin[i], &rope_cos[i]);
     if (threadIdx.x < GRP_MAX_REP) run_max[threadIdx.x] = -INFINITY, run_sum[threadIdx.x] = 0.f;
     __syncthreads();  // the rotation table
@@ -2090,14 +2091,20 @@ extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnAr
         }
         __syncthreads();
         for (int r = warp; r < rep; r += GRP_WARPS) {
-            float s = lane < n ? probs[r][lane] : -INFINITY, mx = s;
+            float s[GRP_TILE / 32], mx = -INFINITY, total = 0.f;
+#pragma unroll
+            for (int e = 0; e < GRP_TILE / 32; e++) s[e] = lane + 32 * e < n ? probs[r][lane + 32 * e] : -INFINITY, mx = fmaxf(mx, s[e]);
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
             float m = run_max[r], mn = fmaxf(m, mx);
             float c = m == -INFINITY ? 0.f : exp2f((m - mn) * LOG2E);
-            float p = s == -INFINITY ? 0.f : exp2f((s - mn) * LOG2E);
-            if (lane < tile) p16[r][lane] = to_bits16(p, bf16);
-            float total = warp_sum(p);
+#pragma unroll
+            for (int e = 0; e < GRP_TILE / 32; e++) {
+                float p = s[e] == -INFINITY ? 0.f : exp2f((s[e] - mn) * LOG2E);
+                if (lane + 32 * e < tile) p16[r][lane + 32 * e] = to_bits16(p, bf16);
+                total += p;
+            }
+            total = warp_sum(total);
             if (lane == 0) run_sum[r] = run_sum[r] * c + total, run_max[r] = mn, rescale[r] = c;
         }
         __syncthreads();
@@ -2107,6 +2114,7 @@ extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnAr
         uint32_t pf[GRP_TILE / 16][4];
 #pragma unroll
         for (int ks = 0; ks < GRP_TILE / 16; ks++) {
+            if (16 * ks >= tile) break;
             int kk = 16 * ks + 2 * tig;
             pf[ks][0] = lds32(&p16[mr][kk]), pf[ks][1] = lds32(&p16[mr + 8][kk]), pf[ks][2] = lds32(&p16[mr][kk + 8]), pf[ks][3] = lds32(&p16[mr + 8][kk + 8]);
         }
@@ -2119,6 +2127,7 @@ extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnAr
                 const uint8_t* col = vt + 2 * (nt * 8 + mr);
 #pragma unroll
                 for (int ks = 0; ks < GRP_TILE / 16; ks++) {
+                    if (16 * ks >= tile) break;  // (rows past the tile are the next stage's)
                     const uint8_t* v = col + (16 * ks + 2 * tig) * row;
                     uint32_t bf[2] = {pack16(v, v + row), pack16(v + 8 * row, v + 9 * row)};
                     mma16816(c, pf[ks], bf, bf16);
@@ -2131,72 +2140,60 @@ extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnAr
     // The trace's "ready" here: a block's stage is its q/k/v and its tiles, its work the wait for
     // its group and the merge.
     trace_mark(a.trace, &trace_ready);
-    // This block's state, made visible before its flag says so.
+    // This block's state as tagged words (values, then each head's max and sum): a reader takes
+    // each word once it carries this step's tag, so no fence or flag orders them.
     size_t stride = (size_t)rep * (d + 2);
-    float* parts = a.partial + (size_t)g * splits * stride;
-    float* own = parts + (size_t)split * stride;
+    float* parts = a.partial + 2 * (size_t)g * splits * stride;
+    float* own = parts + 2 * (size_t)split * stride;
 #pragma unroll
     for (int i = 0; i < GRP_NTILES; i++) {
         int col = 8 * (warp + GRP_WARPS * i) + 2 * tig;
         if (col < d) {
-            if (mr < rep) *reinterpret_cast<float2*>(own + mr * d + col) = make_float2(acc[4 * i], acc[4 * i + 1]);
-            if (mr + 8 < rep) *reinterpret_cast<float2*>(own + (mr + 8) * d + col) = make_float2(acc[4 * i + 2], acc[4 * i + 3]);
+            if (mr < rep) store_tagged(own, mr * d + col, acc[4 * i], tag), store_tagged(own, mr * d + col + 1, acc[4 * i + 1], tag);
+            if (mr + 8 < rep) store_tagged(own, (mr + 8) * d + col, acc[4 * i + 2], tag), store_tagged(own, (mr + 8) * d + col + 1, acc[4 * i + 3], tag);
         }
     }
-    if (threadIdx.x < rep) own[rep * d + threadIdx.x] = run_max[threadIdx.x], own[rep * d + rep + threadIdx.x] = run_sum[threadIdx.x];
-    __threadfence();
-    __syncthreads();
-    unsigned* flags = a.count + (size_t)g * splits;
-    if (threadIdx.x == 0) asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(flags + split), "r"(tag) : "memory");
-    // Every split of the group has stored its state (a lane polls up to four flags).
-    if (warp == 0) {
-        unsigned long long since = 0;
-        for (int s = lane; s < used; s += 32) {
-            for (;;) {
-                unsigned f;
-                asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(f) : "l"(flags + s) : "memory");
-                if (f == tag) break;
-                poll_pause(&since);
-            }
-        }
-    }
-    __threadfence();
-    __syncthreads();
-    // This block's units of the group's outputs: 32 values of one head each, the splits shared
-    // out over the warps, every split's weight computed once (read past L1).
+    if (threadIdx.x < rep) store_tagged(own, rep * d + threadIdx.x, run_max[threadIdx.x], tag), store_tagged(own, rep * d + rep + threadIdx.x, run_sum[threadIdx.x], tag);
+    // This block's units of the group's outputs, 32 values of one head each. A warp takes the
+    // splits warp + GRP_WARPS·k (k < 16) and loads all it needs at once: a lane its column of
+    // each split's values, and lane k (16 + k) split k's max (sum). It folds them, then warp 0
+    // folds the warps'.
+    constexpr int PER_WARP = GRP_MAX_SPLITS / GRP_WARPS;
     for (int unit = split; unit < rep * d / 32; unit += used) {
         int r = unit * 32 / d, col = unit * 32 % d;
-        if (warp == 0) {
-            float ms[4], mx = -INFINITY;
+        int at[PER_WARP + 1];
+        unsigned long long words[PER_WARP + 1], since = 0;
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int s = lane + 32 * e;
-                ms[e] = s < used ? __ldcg(parts + s * stride + rep * d + r) : -INFINITY;
-                mx = fmaxf(mx, ms[e]);
-            }
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-            float den = 0.f;
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int s = lane + 32 * e;
-                float c = ms[e] != -INFINITY ? exp2f((ms[e] - mx) * LOG2E) : 0.f;
-                if (s < GRP_MAX_SPLITS) weight[s] = c;
-                if (s < used) den += __ldcg(parts + s * stride + rep * d + rep + r) * c;
-            }
-            den = warp_sum(den);
-            if (lane == 0) denom = den;
+        for (int k = 0; k < PER_WARP; k++) {
+            int s = warp + GRP_WARPS * k;
+            at[k] = s < used ? (int)(s * stride) + r * d + col + lane : -1;
         }
-        __syncthreads();
-        float nums[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int s = warp, k = 0; s < used; s += GRP_WARPS, k++) nums[k & 3] = fmaf(__ldcg(parts + s * stride + r * d + col + lane), weight[s], nums[k & 3]);
-        reduced[warp][lane] = (nums[0] + nums[1]) + (nums[2] + nums[3]);
+        int mine = warp + GRP_WARPS * (lane & 15);
+        at[PER_WARP] = mine < used ? (int)(mine * stride) + rep * d + (lane < 16 ? 0 : rep) + r : -1;
+        poll_tagged<PER_WARP + 1>(reinterpret_cast<const unsigned long long*>(parts), at, tag, words, &since);
+        float own_ml = __uint_as_float((unsigned)words[PER_WARP]);  // absent: 0
+        float m = lane < 16 && mine < used ? own_ml : -INFINITY, mx = m;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        float c = m == -INFINITY ? 0.f : exp2f((m - mx) * LOG2E);  // lane k: split k's weight
+        float c_of_mine = __shfl_sync(0xffffffffu, c, lane & 15);
+        float sum = warp_sum(lane >= 16 ? c_of_mine * own_ml : 0.f), num = 0.f;
+#pragma unroll
+        for (int k = 0; k < PER_WARP; k++) num = fmaf(__shfl_sync(0xffffffffu, c, k), __uint_as_float((unsigned)words[k]), num);
+        if (lane == 0) warp_max[warp] = mx, warp_total[warp] = sum;
+        warp_num[warp][lane] = num;
         __syncthreads();
         if (warp == 0) {
-            float v = 0.f;
+            float top = -INFINITY, den = 0.f, v = 0.f;
 #pragma unroll
-            for (int w = 0; w < GRP_WARPS; w++) v += reduced[w][lane];
-            v /= denom;
+            for (int w = 0; w < GRP_WARPS; w++) top = fmaxf(top, warp_max[w]);
+#pragma unroll
+            for (int w = 0; w < GRP_WARPS; w++) {
+                float cw = warp_max[w] == -INFINITY ? 0.f : exp2f((warp_max[w] - top) * LOG2E);
+                den = fmaf(cw, warp_total[w], den);
+                v = fmaf(cw, warp_num[w][lane], v);
+            }
+            v /= den;
             int at = (h0 + r) * d + col;
             if (a.out_q8) store_q8_tagged(a.out, a.heads * d, at, v, tag);
             else if (a.tagged) store_tagged(a.out, at + lane, v, tag);

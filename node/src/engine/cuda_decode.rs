@@ -867,14 +867,18 @@ fn blocks_per_sm_by_smem(smem_per_sm: usize, reserved: usize, bytes: usize) -> u
     (smem_per_sm / (bytes + reserved + 1024)).clamp(1, 4) as u32
 }
 
-/// Threads of an `attend_group` block (`GRP_THREADS` in decode.cu).
-const GROUP_THREADS: u32 = 256;
+/// `attend_group`'s limits as decode.cu defines them (`GRP_THREADS`, `GRP_TILE`, `GRP_STAGES`,
+/// `GRP_TILE_BYTES`, `GRP_MAX_SPLITS`, ...; written by build.rs).
+#[allow(dead_code)] // decode.cu's other `GRP_*` numbers come along
+mod group {
+    include!(concat!(env!("OUT_DIR"), "/decode_consts.rs"));
+}
 
 /// `attend_group` (decode.cu): long contexts' attention, a block per KV head and run of its keys.
 struct GroupAttend {
     function: CudaFunction,
     /// Blocks a KV head's keys are shared out over: as many as fit on the GPU at once (two an SM
-    /// at most, its launch bounds), over every KV head, at most `GRP_MAX_SPLITS` (128).
+    /// at most, its launch bounds), over every KV head, at most `GRP_MAX_SPLITS`.
     max_splits: u32,
     /// Fewest keys a block takes (`SHOAL_FUSED_ATTEND_GROUP_KEYS`).
     split_keys: u32,
@@ -901,28 +905,29 @@ impl GroupAttend {
 
 /// Blocks a KV head `attend_group` may launch with. A group's blocks wait for one another, so the
 /// grid is at most what the GPU holds at once: two blocks an SM (its launch bounds), or fewer
-/// where shared memory (with under 8 KB of static) allows fewer, shared over the KV heads, at
-/// most 128 (its merge). `None` where a layer does not fit the kernel (an f16 or bf16 cache, at
-/// most 16 query heads a KV head, head dims a multiple of 32, its shared memory within a block's
-/// limit) or fewer than two blocks a KV head would.
+/// where shared memory (with under 20 KB of static) allows fewer, shared over the KV heads, at
+/// most `GRP_MAX_SPLITS` (its merge). `None` where a layer does not fit the kernel (an f16 or
+/// bf16 cache, at most `GRP_MAX_REP` query heads a KV head, head dims a multiple of 32, its
+/// shared memory within a block's limit) or fewer than two blocks a KV head would.
 fn group_splits(attends: &[&AttnArgs], sms: u32, smem_per_sm: usize, reserved: usize, block_limit: usize) -> Option<u32> {
-    let fits = |a: &&AttnArgs| a.cache_fmt != FMT_F32 && a.heads / a.kv_heads <= 16 && a.d % 32 == 0 && group_smem(a) as usize <= block_limit;
+    let fits = |a: &&AttnArgs| a.cache_fmt != FMT_F32 && (a.heads / a.kv_heads) as u32 <= group::GRP_MAX_REP && a.d % 32 == 0 && group_smem(a) as usize <= block_limit;
     if attends.is_empty() || !attends.iter().all(fits) {
         return None;
     }
     let kv_heads = attends.iter().map(|a| a.kv_heads as u32).max().unwrap_or(1);
     let most = attends.iter().map(|a| group_smem(a)).max().unwrap_or(0) as usize;
-    let per_sm = blocks_per_sm_by_smem(smem_per_sm, reserved, most + 8192).min(2);
-    Some(per_sm * sms / kv_heads).filter(|&n| n >= 2).map(|n| n.min(128))
+    let per_sm = blocks_per_sm_by_smem(smem_per_sm, reserved, most + 20 * 1024).min(2);
+    Some(per_sm * sms / kv_heads).filter(|&n| n >= 2).map(|n| n.min(group::GRP_MAX_SPLITS))
 }
 
-/// Dynamic shared memory of an `attend_group` block, as decode.cu lays it out: `GRP_STAGES` (3)
-/// tiles of keys and of values, each at most 32 rows of the head's bytes plus 16 and at most
-/// `GRP_TILE_BYTES` (17,408), then the group's query heads in f32.
+/// Dynamic shared memory of an `attend_group` block, as decode.cu lays it out: `GRP_STAGES`
+/// tiles of keys and of values, each at most `GRP_TILE` rows (a multiple of 16) of the head's
+/// bytes plus 16 and at most `GRP_TILE_BYTES`, then the group's query heads in f32.
 fn group_smem(a: &AttnArgs) -> u32 {
+    use group::{GRP_STAGES, GRP_TILE, GRP_TILE_BYTES};
     let row = a.d as u32 * if a.cache_fmt == FMT_F32 { 4 } else { 2 } + 16;
-    let tile = (17_408 / row).min(32);
-    3 * 2 * tile * row + (a.heads / a.kv_heads) as u32 * a.d as u32 * 4
+    let tile = (GRP_TILE_BYTES / row / 16 * 16).min(GRP_TILE);
+    GRP_STAGES * 2 * tile * row + (a.heads / a.kv_heads) as u32 * a.d as u32 * 4
 }
 
 /// Dynamic shared memory of one `mv` block: its input slice as f32; for Q4_K rows also a second
@@ -1265,14 +1270,15 @@ impl FusedDecode {
             down[0] = tagged(down[0], true, false);
             launches.extend(down);
         }
-        // Each split attention's partial states and counters, or the grouped splits' flags
-        // (after the layers' other buffers, which so lie where they did before splits existed).
+        // Each split attention's partial states (as tagged words for the grouped kernel) and
+        // counters (after the layers' other buffers, which so lie where they did before splits
+        // existed).
         let attend_group = GroupAttend::plan(&launches, &p, attend_group)?;
         let most_splits = attend_max_splits.max(attend_group.as_ref().map_or(1, |g| g.max_splits)) as usize;
         for l in &mut launches {
             if let Launch::Attend { args } = l {
-                args.partial = p.scratch(args.heads as usize * most_splits * (args.d as usize + 2))?;
-                args.count = p.scratch((args.heads as usize).max(args.kv_heads as usize * most_splits))?;
+                args.partial = p.scratch(2 * args.heads as usize * most_splits * (args.d as usize + 2))?;
+                args.count = p.scratch(args.heads as usize)?;
             }
         }
         let mut logits = None;
@@ -1625,7 +1631,7 @@ impl FusedDecode {
                     let (kernel, cfg) = match &self.attend_group {
                         Some(group) if splits > 1 => {
                             args.split_keys = group.split_keys as i32;
-                            let cfg = LaunchConfig { grid_dim: (args.kv_heads as u32 * splits, 1, 1), block_dim: (GROUP_THREADS, 1, 1), shared_mem_bytes: group_smem(&args) };
+                            let cfg = LaunchConfig { grid_dim: (args.kv_heads as u32 * splits, 1, 1), block_dim: (group::GRP_THREADS, 1, 1), shared_mem_bytes: group_smem(&args) };
                             (&group.function, cfg)
                         }
                         _ => {
@@ -1634,8 +1640,8 @@ impl FusedDecode {
                         }
                     };
                     // SAFETY: as above; `step` names caches with `capacity` > position rows
-                    // (reserved); `partial` holds `heads` × the most splits states and `count`
-                    // `kv_heads` × the most splits flags (at least `heads` counters).
+                    // (reserved); `partial` holds `heads` × the most splits states as tagged
+                    // words, and `count` `heads` counters.
                     unsafe { self.launch(kernel, cfg, &mut [(&raw mut args).cast()]) }?;
                 }
                 Launch::Embed { mut args } => {
@@ -1764,16 +1770,17 @@ mod tests {
         let attn = |heads: i32, kv_heads: i32, d: i32, cache_fmt: i32| AttnArgs { heads, kv_heads, d, cache_fmt, ..AttnArgs::default() };
         // An H200: 132 SMs of 228 KB, 1 KB reserved a block, 227 KB a block at most.
         let h200 = |layers: &[AttnArgs]| group_splits(&layers.iter().collect::<Vec<_>>(), 132, 233_472, 1024, 232_448);
-        // Qwen2.5-1.5B (12 query heads, 2 KV heads, d = 128, f16 cache): 54 KB a block, two an SM,
-        // 132 a KV head, capped at the merge's 128.
-        assert_eq!(group_smem(&attn(12, 2, 128, FMT_F16)), 3 * 2 * 32 * 272 + 6 * 128 * 4);
+        // Qwen2.5-1.5B (12 query heads, 2 KV heads, d = 128, f16 cache): two stages of 64 keys and
+        // their values, 71 KB a block, two an SM, 132 a KV head, capped at the merge's 128.
+        assert_eq!(group_smem(&attn(12, 2, 128, FMT_F16)), 2 * 2 * 64 * 272 + 6 * 128 * 4);
         assert_eq!(h200(&[attn(12, 2, 128, FMT_F16)]), Some(128));
         // Qwen2.5-7B (28 / 4): 2 × 132 ÷ 4.
         assert_eq!(h200(&[attn(28, 4, 128, FMT_F16)]), Some(66));
         // The layer with the most KV heads bounds the grid; bf16 caches too.
         assert_eq!(h200(&[attn(28, 4, 128, FMT_BF16), attn(32, 8, 128, FMT_BF16)]), Some(33));
-        // d = 256 with 16 query heads a KV head: 115 KB a block, one an SM, 132 ÷ 2.
-        assert_eq!(h200(&[attn(32, 2, 256, FMT_F16)]), Some(66));
+        // d = 256 with 16 query heads a KV head: 32-key tiles, 82 KB a block, still two an SM.
+        assert_eq!(group_smem(&attn(32, 2, 256, FMT_F16)), 2 * 2 * 32 * 528 + 16 * 256 * 4);
+        assert_eq!(h200(&[attn(32, 2, 256, FMT_F16)]), Some(128));
         // A GPU of 100 KB an SM holds one 1.5B block an SM: 80 ÷ 2.
         assert_eq!(group_splits(&[&attn(12, 2, 128, FMT_F16)], 80, 102_400, 1024, 101_376), Some(40));
         // Shapes the kernel does not take keep the per-query-head split.
