@@ -7,13 +7,9 @@
 #define DECODE_CU "decode.cu"
 #endif
 #include DECODE_CU
+#include "bench_common.cuh"
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <vector>
-
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
 
 struct Shape { const char* name; int heads, kv_heads, d; };
 
@@ -95,21 +91,8 @@ int main() {
                 a.splits = splits; a.split_keys = split_keys; a.partial = partial; a.count = count;
                 attend_group<<<s.kv_heads * splits, GRP_THREADS, smem>>>(a);
             };
-            for (int k = 0; k < copies; k++) launch(k);
-            CK(cudaDeviceSynchronize());
-            cudaEvent_t e0, e1;
-            cudaEventCreate(&e0); cudaEventCreate(&e1);
-            cudaEventRecord(e0);
-            for (int i = 0; i < iters; i++) launch(i % copies);
-            cudaEventRecord(e1);
-            CK(cudaEventSynchronize(e1));
-            float ms = 0;
-            cudaEventElapsedTime(&ms, e0, e1);
-            double us = ms * 1000.0 / iters;
-            std::vector<float> ho(s.heads * d);
-            CK(cudaMemcpy(ho.data(), out, ho.size() * 4, cudaMemcpyDeviceToHost));
-            double check = 0;
-            for (size_t i = 0; i < ho.size(); i++) check += ho[i] * (double)(i % 7 + 1);
+            double us = us_per_launch(launch, copies, iters);
+            double check = checksum(out, (size_t)s.heads * d);
             int want = std::min(splits, std::max(1, (ctx + split_keys) / split_keys)), chunk = (ctx + want) / want;
             printf("%-4s %6d keys  %7.2f us  %6.0f GB/s  (%.1f MB, %d blocks a KV head, %d keys each, tile %d)  check %.6e\n", s.name, ctx + 1, us,
                    2.0 * cache_bytes / us / 1e3, 2.0 * cache_bytes / 1e6, (ctx + chunk) / chunk, chunk, tile, check);

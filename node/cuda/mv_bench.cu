@@ -3,13 +3,13 @@
 // Prints µs per launch and the weight bytes streamed per second. Built by scripts/build-cuda.sh
 // (standalone nvcc, cudart static); run on the GPU machine. Not a test: it asserts nothing.
 #include "decode.cu"
+#include "bench_common.cuh"
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 #include <string>
 
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
 
 static uint16_t f2h(float f) { __half h = __float2half(f); uint16_t u; memcpy(&u, &h, 2); return u; }
 
@@ -162,24 +162,11 @@ int main(int argc, char** argv) {
                 cfg.numAttrs = 1;
                 CK(cudaLaunchKernelEx(&cfg, kernel, a));
             };
-            for (int k = 0; k < copies; k++) launch(k);
-            CK(cudaDeviceSynchronize());
-            cudaEvent_t e0, e1;
-            cudaEventCreate(&e0); cudaEventCreate(&e1);
-            cudaEventRecord(e0);
-            for (int i = 0; i < iters; i++) launch(i % copies);
-            cudaEventRecord(e1);
-            CK(cudaEventSynchronize(e1));
-            float ms = 0;
-            cudaEventElapsedTime(&ms, e0, e1);
-            double us = ms * 1000.0 / iters;
+            double us = us_per_launch(launch, copies, iters);
             // One clean launch for a checksum that builds can be compared by.
             CK(cudaMemset(out, 0, (size_t)c.rows * 2 * 4));
             launch(0);
-            std::vector<float> ho(rows_total);
-            CK(cudaMemcpy(ho.data(), out, rows_total * 4, cudaMemcpyDeviceToHost));
-            double check = 0;
-            for (int i = 0; i < rows_total; i++) check += ho[i] * (double)(i % 7 + 1);
+            double check = checksum(out, rows_total);
             printf("%-5s %-13s %7.1f us  %7.0f GB/s  (%.1f MB, grid %dx%d%s%s%s)  check %.6e\n", fmt_names[fi], c.name, us, per / us / 1e3, per / 1e6, grid.x, grid.y, pairs ? ", pairs" : "", ring ? ", ring" : "", q8 ? ", int8" : "", check);
             cudaFree(partial); cudaFree(tags);
             }
