@@ -6,7 +6,8 @@
 #   scripts/gpu-check.sh fidelity [fixtures]   fixtures vs transformers on the GPU; Qwen2.5-1.5B-shaped
 #                                   f16 and Q4_K_M: 16 greedy tokens on the GPU equal the CPU's
 #                                   (f16), the fused decode step agrees with candle's ops (also
-#                                   over a 3,000-token cache, attention shared out over blocks, and a
+#                                   over a 3,000-token cache, attention shared out over blocks of one
+#                                   tile and of six, and a
 #                                   bf16 0.5B-shaped model's over 1,500); decoding
 #                                   with the GPU picking each token gives the host loop's; two
 #                                   sequences decoded turn about equal each decoded alone; a
@@ -99,9 +100,11 @@ fidelity() {
   "$CHECK" prompt "$WORK/q15-q4km/model.gguf" --device cuda --tokens 600 || fail=1
   # Decode over a long cache: each KV head's keys shared out over blocks that each attend for
   # all its query heads and merge their states together (`attend_group`; 3,000 keys: 94 blocks
-  # of about 32 keys a KV head); then about 120 blocks of 6 keys (each merge lane 4 of them);
-  # then the per-query-head split kept for shapes the grouped kernel does not take.
+  # of about 32 keys a KV head, one tile each); then 8 blocks a KV head (375 keys each: six tiles
+  # a block, each loaded while the one before is used); then about 120 blocks of 6 keys; then the
+  # per-query-head split kept for shapes the grouped kernel does not take.
   "$CHECK" fused "$WORK/q15-f16" --device cuda --tokens 16 --context 3000 || fail=1
+  SHOAL_FUSED_ATTEND_GROUP_SPLITS=8 "$CHECK" fused "$WORK/q15-f16" --device cuda --tokens 16 --context 3000 || fail=1
   SHOAL_FUSED_RING=0 "$CHECK" fused "$WORK/q15-q4km/model.gguf" --device cuda --tokens 16 --context 3000 || fail=1
   SHOAL_FUSED_ATTEND_GROUP_KEYS=1 "$CHECK" fused "$WORK/q15-f16" --device cuda --tokens 16 --context 700 || fail=1
   SHOAL_FUSED_ATTEND_GROUP=0 "$CHECK" fused "$WORK/q15-f16" --device cuda --tokens 16 --context 3000 || fail=1

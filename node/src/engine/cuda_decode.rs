@@ -890,7 +890,8 @@ impl GroupAttend {
     /// `SHOAL_FUSED_ATTEND_GROUP=0` turns it off.
     fn plan(launches: &[Launch], p: &Planner, function: CudaFunction) -> Result<Option<Self>> {
         let attends: Vec<&AttnArgs> = launches.iter().filter_map(|l| if let Launch::Attend { args } = l { Some(args) } else { None }).collect();
-        let Some(most_splits) = group_splits(&attends, p.sms, p.smem_per_sm, p.smem_reserved, p.smem_limit) else {
+        let static_smem = function.get_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES).map_err(driver)? as usize;
+        let Some(most_splits) = group_splits(&attends, p.sms, p.smem_per_sm, p.smem_reserved, p.smem_limit, static_smem) else {
             return Ok(None);
         };
         let max_splits = tuned("ATTEND_GROUP_SPLITS", most_splits).min(most_splits);
@@ -905,18 +906,19 @@ impl GroupAttend {
 
 /// Blocks a KV head `attend_group` may launch with. A group's blocks wait for one another, so the
 /// grid is at most what the GPU holds at once: two blocks an SM (its launch bounds), or fewer
-/// where shared memory (with under 20 KB of static) allows fewer, shared over the KV heads, at
-/// most `GRP_MAX_SPLITS` (its merge). `None` where a layer does not fit the kernel (an f16 or
-/// bf16 cache, at most `GRP_MAX_REP` query heads a KV head, head dims a multiple of 32, its
-/// shared memory within a block's limit) or fewer than two blocks a KV head would.
-fn group_splits(attends: &[&AttnArgs], sms: u32, smem_per_sm: usize, reserved: usize, block_limit: usize) -> Option<u32> {
-    let fits = |a: &&AttnArgs| a.cache_fmt != FMT_F32 && (a.heads / a.kv_heads) as u32 <= group::GRP_MAX_REP && a.d % 32 == 0 && group_smem(a) as usize <= block_limit;
+/// where shared memory (`static_smem`, the kernel's own, besides `group_smem`) allows fewer,
+/// shared over the KV heads, at most `GRP_MAX_SPLITS` (its merge). `None` where a layer does not
+/// fit the kernel (an f16 or bf16 cache, at most `GRP_MAX_REP` query heads a KV head, head dims a
+/// multiple of 32, its shared memory within a block's limit) or fewer than two blocks a KV head
+/// would.
+fn group_splits(attends: &[&AttnArgs], sms: u32, smem_per_sm: usize, reserved: usize, block_limit: usize, static_smem: usize) -> Option<u32> {
+    let fits = |a: &&AttnArgs| a.cache_fmt != FMT_F32 && (a.heads / a.kv_heads) as u32 <= group::GRP_MAX_REP && a.d % 32 == 0 && group_smem(a) as usize + static_smem <= block_limit;
     if attends.is_empty() || !attends.iter().all(fits) {
         return None;
     }
     let kv_heads = attends.iter().map(|a| a.kv_heads as u32).max().unwrap_or(1);
     let most = attends.iter().map(|a| group_smem(a)).max().unwrap_or(0) as usize;
-    let per_sm = blocks_per_sm_by_smem(smem_per_sm, reserved, most + 20 * 1024).min(2);
+    let per_sm = blocks_per_sm_by_smem(smem_per_sm, reserved, most + static_smem).min(2);
     Some(per_sm * sms / kv_heads).filter(|&n| n >= 2).map(|n| n.min(group::GRP_MAX_SPLITS))
 }
 
@@ -1768,8 +1770,10 @@ mod tests {
     #[test]
     fn grouped_attention_launches_no_more_blocks_than_the_gpu_holds_at_once() {
         let attn = |heads: i32, kv_heads: i32, d: i32, cache_fmt: i32| AttnArgs { heads, kv_heads, d, cache_fmt, ..AttnArgs::default() };
-        // An H200: 132 SMs of 228 KB, 1 KB reserved a block, 227 KB a block at most.
-        let h200 = |layers: &[AttnArgs]| group_splits(&layers.iter().collect::<Vec<_>>(), 132, 233_472, 1024, 232_448);
+        // An H200: 132 SMs of 228 KB, 1 KB reserved a block, 227 KB a block at most; the kernel's
+        // static shared memory as ptxas gives it for sm_90.
+        const STATIC: usize = 19_232;
+        let h200 = |layers: &[AttnArgs]| group_splits(&layers.iter().collect::<Vec<_>>(), 132, 233_472, 1024, 232_448, STATIC);
         // Qwen2.5-1.5B (12 query heads, 2 KV heads, d = 128, f16 cache): two stages of 64 keys and
         // their values, 71 KB a block, two an SM, 132 a KV head, capped at the merge's 128.
         assert_eq!(group_smem(&attn(12, 2, 128, FMT_F16)), 2 * 2 * 64 * 272 + 6 * 128 * 4);
@@ -1781,15 +1785,17 @@ mod tests {
         // d = 256 with 16 query heads a KV head: 32-key tiles, 82 KB a block, still two an SM.
         assert_eq!(group_smem(&attn(32, 2, 256, FMT_F16)), 2 * 2 * 32 * 528 + 16 * 256 * 4);
         assert_eq!(h200(&[attn(32, 2, 256, FMT_F16)]), Some(128));
-        // A GPU of 100 KB an SM holds one 1.5B block an SM: 80 ÷ 2.
-        assert_eq!(group_splits(&[&attn(12, 2, 128, FMT_F16)], 80, 102_400, 1024, 101_376), Some(40));
+        // A GPU of 100 KB an SM holds one 1.5B block an SM: 80 ÷ 2; one of 88 KB none (71 KB of
+        // dynamic shared memory fit, but not with the kernel's static 19 KB).
+        assert_eq!(group_splits(&[&attn(12, 2, 128, FMT_F16)], 80, 102_400, 1024, 101_376, STATIC), Some(40));
+        assert_eq!(group_splits(&[&attn(12, 2, 128, FMT_F16)], 80, 90_112, 1024, 89_088, STATIC), None);
         // Shapes the kernel does not take keep the per-query-head split.
         assert_eq!(h200(&[attn(12, 2, 128, FMT_F32)]), None);
         assert_eq!(h200(&[attn(34, 2, 128, FMT_F16)]), None);
         assert_eq!(h200(&[attn(12, 2, 80, FMT_F16)]), None);
         assert_eq!(h200(&[attn(12, 2, 128, FMT_F16), attn(12, 2, 128, FMT_F32)]), None);
         // Fewer than two blocks a KV head is no split.
-        assert_eq!(group_splits(&[&attn(128, 128, 128, FMT_F16)], 60, 233_472, 1024, 232_448), None);
+        assert_eq!(group_splits(&[&attn(128, 128, 128, FMT_F16)], 60, 233_472, 1024, 232_448, STATIC), None);
     }
 
     #[test]
