@@ -33,7 +33,7 @@ int main() {
     int split_keys = env_int("AB_KEYS", 32);
     for (const Shape& s : shapes) {
         int rep = s.heads / s.kv_heads, d = s.d, row = d * 2 + 16;
-        int tile = std::min(GRP_TILE, GRP_TILE_BYTES / row);
+        int tile = std::min(GRP_TILE, GRP_TILE_BYTES / row / 16 * 16);  // as the kernel (and group_smem) size a stage
         size_t smem = (size_t)GRP_STAGES * 2 * tile * row + (size_t)rep * d * 4;
         CK(cudaFuncSetAttribute(attend_group, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         int per_sm = 0;
