@@ -1943,7 +1943,7 @@ extern "C" __global__ void __launch_bounds__(512) attend_split(AttnArgs a) { att
 #define GRP_MAX_SPLITS 128     // 16 a warp in the merge (lanes k and 16 + k: split k's max and sum)
 #define GRP_NTILES (ATTN_MAX_D / 8 / GRP_WARPS)  // a warp's n-tiles of 8 output columns at most
 static_assert(GRP_TILE <= 8 * GRP_WARPS && GRP_TILE % 16 == 0, "a warp scores 8 keys of a tile, an mma takes 16");
-static_assert(GRP_TILE <= 64, "a lane takes at most two keys in the softmax update");
+static_assert(GRP_TILE % 32 == 0, "the softmax update takes GRP_TILE / 32 keys a lane");
 
 // D += A (16 x 16, row-major) · B (16 x 8, column-major), f32 sums of f16 or bf16 products.
 __device__ __forceinline__ void mma16816(float* c, const uint32_t* a, const uint32_t* b, bool bf16) {
