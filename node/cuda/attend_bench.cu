@@ -8,6 +8,9 @@
 #endif
 #include DECODE_CU
 #include "bench_common.cuh"
+#ifndef AB_KERNEL
+#define AB_KERNEL attend_group  // or attend_group_d128 (-DAB_KERNEL=...)
+#endif
 #include <algorithm>
 #include <cstring>
 
@@ -35,9 +38,9 @@ int main() {
         int rep = s.heads / s.kv_heads, d = s.d, row = d * 2 + 16;
         int tile = std::min(GRP_TILE, GRP_TILE_BYTES / row / 16 * 16);  // as the kernel (and group_smem) size a stage
         size_t smem = (size_t)GRP_STAGES * 2 * tile * row + (size_t)rep * d * 4;
-        CK(cudaFuncSetAttribute(attend_group, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        CK(cudaFuncSetAttribute(AB_KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         int per_sm = 0;
-        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, attend_group, GRP_THREADS, smem));
+        CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, AB_KERNEL, GRP_THREADS, smem));
         int splits = std::min({GRP_MAX_SPLITS, std::min(per_sm, 2) * sms / s.kv_heads, env_int("AB_SPLITS", 1 << 30)});
         for (int ctx : contexts) {
             size_t cache_bytes = (size_t)s.kv_heads * (ctx + 1) * d * 2;  // keys, or values
@@ -89,7 +92,7 @@ int main() {
                 a.cache_fmt = FMT_F16; a.heads = s.heads; a.kv_heads = s.kv_heads; a.d = d; a.rope_halves = 1;
                 a.scale = 1.f / sqrtf((float)d); a.eps = 1e-6f; a.tag = tags + launches++;
                 a.splits = splits; a.split_keys = split_keys; a.partial = partial; a.count = count;
-                attend_group<<<s.kv_heads * splits, GRP_THREADS, smem>>>(a);
+                AB_KERNEL<<<s.kv_heads * splits, GRP_THREADS, smem>>>(a);
             };
             double us = us_per_launch(launch, copies, iters);
             double check = checksum(out, (size_t)s.heads * d);

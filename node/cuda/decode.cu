@@ -1963,7 +1963,10 @@ __device__ __forceinline__ uint16_t to_bits16(float x, bool bf16) {
     return bf16 ? __bfloat16_as_ushort(__float2bfloat16(x)) : __half_as_ushort(__float2half(x));
 }
 
-extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnArgs a) {
+// D: the head dim at compile time (its loops unrolled, a warp's sums sized for it), or 0: a.d.
+template <int D>
+__device__ __forceinline__ void attend_group_body(AttnArgs a) {
+    constexpr int NT = D > 0 ? (D / 8 + GRP_WARPS - 1) / GRP_WARPS : GRP_NTILES;  // a warp's n-tiles
     extern __shared__ __align__(16) uint8_t grp_smem[];
     __shared__ float kn[ATTN_MAX_D], vn[ATTN_MAX_D];
     __shared__ float rope_cos[ATTN_MAX_D / 2], rope_sin[ATTN_MAX_D / 2];
@@ -1973,7 +1976,8 @@ extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnAr
     __shared__ float warp_max[GRP_WARPS], warp_total[GRP_WARPS], warp_num[GRP_WARPS][32];
     trace_mark(a.trace, &trace_started);
     allow_next_kernel();
-    int splits = a.splits, g = blockIdx.x / splits, split = blockIdx.x % splits, d = a.d;
+    const int d = D > 0 ? D : a.d;
+    int splits = a.splits, g = blockIdx.x / splits, split = blockIdx.x % splits;
     int rep = a.heads / a.kv_heads, h0 = g * rep;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     // Written before the step's first kernel, not by the previous one.
@@ -2055,9 +2059,9 @@ extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnAr
     for (int i = threadIdx.x; i < GRP_MAX_REP * (GRP_TILE + 8); i += GRP_THREADS) p16[i / (GRP_TILE + 8)][i % (GRP_TILE + 8)] = 0;
     // A warp's sums: its n-tiles of 8 output columns, rows mr and mr + 8 of each (mma's C layout).
     int mr = lane >> 2, tig = lane & 3;
-    float acc[4 * GRP_NTILES];
+    float acc[4 * NT];
 #pragma unroll
-    for (int e = 0; e < 4 * GRP_NTILES; e++) acc[e] = 0.f;
+    for (int e = 0; e < 4 * NT; e++) acc[e] = 0.f;
     for (int t = 0; t < ntiles; t++) {
         issue(t + GRP_STAGES - 1);
         cp_async_wait<GRP_STAGES - 1>();  // tile t's copies have landed
@@ -2121,7 +2125,7 @@ extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnAr
             pf[ks][0] = lds32(&p16[mr][kk]), pf[ks][1] = lds32(&p16[mr + 8][kk]), pf[ks][2] = lds32(&p16[mr][kk + 8]), pf[ks][3] = lds32(&p16[mr + 8][kk + 8]);
         }
 #pragma unroll
-        for (int i = 0; i < GRP_NTILES; i++) {
+        for (int i = 0; i < NT; i++) {
             int nt = warp + GRP_WARPS * i;
             if (nt < d / 8) {
                 float* c = acc + 4 * i;
@@ -2148,7 +2152,7 @@ extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnAr
     float* parts = a.partial + 2 * (size_t)g * splits * stride;
     float* own = parts + 2 * (size_t)split * stride;
 #pragma unroll
-    for (int i = 0; i < GRP_NTILES; i++) {
+    for (int i = 0; i < NT; i++) {
         int col = 8 * (warp + GRP_WARPS * i) + 2 * tig;
         if (col < d) {
             if (mr < rep) store_tagged(own, mr * d + col, acc[4 * i], tag), store_tagged(own, mr * d + col + 1, acc[4 * i + 1], tag);
@@ -2205,6 +2209,11 @@ extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnAr
     }
     trace_block(a.trace, a.launch);
 }
+
+// Any head dim (a multiple of 32 up to ATTN_MAX_D), and the common ones compiled for theirs.
+extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group(AttnArgs a) { attend_group_body<0>(a); }
+extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group_d64(AttnArgs a) { attend_group_body<64>(a); }
+extern "C" __global__ void __launch_bounds__(GRP_THREADS, 2) attend_group_d128(AttnArgs a) { attend_group_body<128>(a); }
 
 // Each of this thread's logits, `f(value, index)`: float4s strided over the block, four loads in
 // flight, where the row is 16-byte aligned (the logits are in L2: the latency of one load at a

@@ -1134,7 +1134,12 @@ impl FusedDecode {
         let stream = cuda.cuda_stream();
         let load = |name: &str| cuda.get_or_load_custom_func(name, MODULE, PTX).map(|f| f.into_cuda_function());
         let (attend, attend_split, add_norm, embed_row) = (load("attend")?, load("attend_split")?, load("add_norm")?, load("embed_row")?);
-        let attend_group = load("attend_group")?;
+        // The grouped kernel compiled for the layers' head dim where they share a common one.
+        let head_dims: Vec<usize> = layers.iter().map(|l| l.attn.head_dim).collect();
+        let attend_group = load(match head_dims.first() {
+            Some(&d) if (d == 64 || d == 128) && head_dims.iter().all(|&e| e == d) => if d == 64 { "attend_group_d64" } else { "attend_group_d128" },
+            _ => "attend_group",
+        })?;
         // The dynamic shared memory a block may ask for: the GPU's per-block limit less the
         // kernels' static shared memory (block sums' scratch, the trace marks; under 1 KB).
         let optin = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(driver)? as usize;
