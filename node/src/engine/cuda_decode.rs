@@ -922,6 +922,16 @@ fn group_splits(attends: &[&AttnArgs], sms: u32, smem_per_sm: usize, reserved: u
     Some(per_sm * sms / kv_heads).filter(|&n| n >= 2).map(|n| n.min(group::GRP_MAX_SPLITS))
 }
 
+/// The grouped kernel's instance for these layers' head dims: the one compiled for their dim
+/// where they share 64 or 128 (91 registers against 126, session 52), else the generic one.
+fn attend_group_kernel(head_dims: &[usize]) -> &'static str {
+    match head_dims.first() {
+        Some(&d) if head_dims.iter().all(|&e| e == d) && d == 64 => "attend_group_d64",
+        Some(&d) if head_dims.iter().all(|&e| e == d) && d == 128 => "attend_group_d128",
+        _ => "attend_group",
+    }
+}
+
 /// Dynamic shared memory of an `attend_group` block, as decode.cu lays it out: `GRP_STAGES`
 /// tiles of keys and of values, each at most `GRP_TILE` rows (a multiple of 16) of the head's
 /// bytes plus 16 and at most `GRP_TILE_BYTES`, then the group's query heads in f32.
@@ -1134,12 +1144,8 @@ impl FusedDecode {
         let stream = cuda.cuda_stream();
         let load = |name: &str| cuda.get_or_load_custom_func(name, MODULE, PTX).map(|f| f.into_cuda_function());
         let (attend, attend_split, add_norm, embed_row) = (load("attend")?, load("attend_split")?, load("add_norm")?, load("embed_row")?);
-        // The grouped kernel compiled for the layers' head dim where they share a common one.
         let head_dims: Vec<usize> = layers.iter().map(|l| l.attn.head_dim).collect();
-        let attend_group = load(match head_dims.first() {
-            Some(&d) if (d == 64 || d == 128) && head_dims.iter().all(|&e| e == d) => if d == 64 { "attend_group_d64" } else { "attend_group_d128" },
-            _ => "attend_group",
-        })?;
+        let attend_group = load(attend_group_kernel(&head_dims))?;
         // The dynamic shared memory a block may ask for: the GPU's per-block limit less the
         // kernels' static shared memory (block sums' scratch, the trace marks; under 1 KB).
         let optin = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(driver)? as usize;
@@ -1723,6 +1729,15 @@ mod tests {
         assert_eq!(stages(28_672, 8_192, h100), 2);
         // On an A100 the 7B's 3-stage blocks (101 KB) fit one an SM: it keeps 2 stages, 2 an SM.
         assert_eq!(stages(18_944, 3_584, a100), 2);
+    }
+
+    #[test]
+    fn grouped_attention_takes_the_instance_compiled_for_a_head_dim_every_layer_shares() {
+        assert_eq!(attend_group_kernel(&[128; 28]), "attend_group_d128");
+        assert_eq!(attend_group_kernel(&[64; 24]), "attend_group_d64");
+        assert_eq!(attend_group_kernel(&[128, 128, 64]), "attend_group");
+        assert_eq!(attend_group_kernel(&[96; 4]), "attend_group");
+        assert_eq!(attend_group_kernel(&[]), "attend_group");
     }
 
     #[test]
