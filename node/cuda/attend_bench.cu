@@ -66,7 +66,6 @@ int main() {
             float *qkv, *inv_freq, *out, *partial;
             unsigned* count;
             long long* pos;
-            unsigned long long* tags;
             int iters = std::max(copies * 8, 200);
             CK(cudaMalloc(&qkv, width * 4));
             CK(cudaMemcpy(qkv, hq.data(), width * 4, cudaMemcpyHostToDevice));
@@ -79,11 +78,7 @@ int main() {
             long long hpos = ctx;
             CK(cudaMalloc(&pos, 8));
             CK(cudaMemcpy(pos, &hpos, 8, cudaMemcpyHostToDevice));
-            // A tag a launch (1, 2, ...: the engine's steps), so that no launch reads another's flags.
-            std::vector<unsigned long long> ht(iters + copies + 2);
-            for (size_t i = 0; i < ht.size(); i++) ht[i] = i + 1;
-            CK(cudaMalloc(&tags, ht.size() * 8));
-            CK(cudaMemcpy(tags, ht.data(), ht.size() * 8, cudaMemcpyHostToDevice));
+            unsigned long long* tags = launch_tags(iters + copies + 2);
             int launches = 0;
             auto launch = [&](int copy) {
                 AttnArgs a;

@@ -123,17 +123,13 @@ int main(int argc, char** argv) {
             dim3 grid(blocks, slices);
             int iters = std::max(copies * 4, 64);
             // Split-K partial sums as tagged words, as cuda_decode.rs plans them, and a tag for
-            // each launch (1, 2, ...: the engine's steps), so that none reads an earlier one's.
+            // each launch.
             float* partial = nullptr;
-            unsigned long long* tags = nullptr;
             if (slices > 1) {
                 CK(cudaMalloc(&partial, (size_t)slices * rows_total * 8));
                 CK(cudaMemset(partial, 0, (size_t)slices * rows_total * 8));
             }
-            std::vector<unsigned long long> tag_values(copies + iters + 1);
-            for (size_t i = 0; i < tag_values.size(); i++) tag_values[i] = i + 1;
-            CK(cudaMalloc(&tags, tag_values.size() * 8));
-            CK(cudaMemcpy(tags, tag_values.data(), tag_values.size() * 8, cudaMemcpyHostToDevice));
+            unsigned long long* tags = launch_tags(copies + iters + 1);
             int launches = 0;
             auto launch = [&](int k) {
                 MvArgs a;

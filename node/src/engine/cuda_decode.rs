@@ -925,9 +925,9 @@ fn group_splits(attends: &[&AttnArgs], sms: u32, smem_per_sm: usize, reserved: u
 /// The grouped kernel's instance for these layers' head dims: the one compiled for their dim
 /// where they share 64 or 128 (91 registers against 126, session 52), else the generic one.
 fn attend_group_kernel(head_dims: &[usize]) -> &'static str {
-    match head_dims.first() {
-        Some(&d) if head_dims.iter().all(|&e| e == d) && d == 64 => "attend_group_d64",
-        Some(&d) if head_dims.iter().all(|&e| e == d) && d == 128 => "attend_group_d128",
+    match head_dims.first().copied().filter(|&d| head_dims.iter().all(|&e| e == d)) {
+        Some(64) => "attend_group_d64",
+        Some(128) => "attend_group_d128",
         _ => "attend_group",
     }
 }
