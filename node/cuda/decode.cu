@@ -1673,7 +1673,7 @@ __device__ __forceinline__ void softmax_merge(float& m, float& l, float* o, floa
 // merged state unnormalized, with its max and sum, to `a.partial`; the last of a head's splits
 // to finish (a counter) merges them and writes the head's values as one block does alone.
 // `attend` is the one-block-a-head instance, none of that compiled in.
-template <bool SPLIT>
+template <bool SPLIT, int D = 0>
 __device__ __forceinline__ void attend_heads(AttnArgs a) {
     __shared__ float q[ATTN_MAX_D], kn[ATTN_MAX_D], vn[ATTN_MAX_D];
     __shared__ float rope_cos[ATTN_MAX_D / 2], rope_sin[ATTN_MAX_D / 2];
@@ -1682,7 +1682,8 @@ __device__ __forceinline__ void attend_heads(AttnArgs a) {
     trace_mark(a.trace, &trace_started);
     allow_next_kernel();
     int splits = SPLIT && a.splits > 1 ? a.splits : 1;
-    int h = blockIdx.x / splits, split = blockIdx.x % splits, d = a.d;
+    const int d = D > 0 ? D : a.d;  // D: the head dim at compile time, or 0
+    int h = blockIdx.x / splits, split = blockIdx.x % splits;
     int rep = a.heads / a.kv_heads, kvh = h / rep;
     // Written before the step's first kernel, not by the previous one.
     int pos = (int)*a.pos;
@@ -1908,6 +1909,8 @@ __device__ __forceinline__ void attend_heads(AttnArgs a) {
 }
 
 extern "C" __global__ void __launch_bounds__(512) attend(AttnArgs a) { attend_heads<false>(a); }
+extern "C" __global__ void __launch_bounds__(512) attend_d64(AttnArgs a) { attend_heads<false, 64>(a); }
+extern "C" __global__ void __launch_bounds__(512) attend_d128(AttnArgs a) { attend_heads<false, 128>(a); }
 extern "C" __global__ void __launch_bounds__(512) attend_split(AttnArgs a) { attend_heads<true>(a); }
 
 // ---- `attend_group`: long contexts, a KV head's keys shared out over blocks (flash-decoding) ----

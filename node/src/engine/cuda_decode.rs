@@ -922,13 +922,17 @@ fn group_splits(attends: &[&AttnArgs], sms: u32, smem_per_sm: usize, reserved: u
     Some(per_sm * sms / kv_heads).filter(|&n| n >= 2).map(|n| n.min(group::GRP_MAX_SPLITS))
 }
 
-/// The grouped kernel's instance for these layers' head dims: the one compiled for their dim
-/// where they share 64 or 128 (91 registers against 126, session 52), else the generic one.
-fn attend_group_kernel(head_dims: &[usize]) -> &'static str {
-    match head_dims.first().copied().filter(|&d| head_dims.iter().all(|&e| e == d)) {
-        Some(64) => "attend_group_d64",
-        Some(128) => "attend_group_d128",
-        _ => "attend_group",
+/// The instance of an attention kernel (`attend`, `attend_group`) compiled for these layers'
+/// head dim where they all share 64 or 128 (`attend_group_d128`: 91 registers against 126,
+/// session 52), else the generic one.
+fn for_head_dim(kernel: &'static str, head_dims: &[usize]) -> &'static str {
+    let shared = head_dims.first().copied().filter(|&d| head_dims.iter().all(|&e| e == d));
+    match (kernel, shared) {
+        ("attend", Some(64)) => "attend_d64",
+        ("attend", Some(128)) => "attend_d128",
+        ("attend_group", Some(64)) => "attend_group_d64",
+        ("attend_group", Some(128)) => "attend_group_d128",
+        _ => kernel,
     }
 }
 
@@ -1143,9 +1147,9 @@ impl FusedDecode {
         let cuda = device.as_cuda_device()?;
         let stream = cuda.cuda_stream();
         let load = |name: &str| cuda.get_or_load_custom_func(name, MODULE, PTX).map(|f| f.into_cuda_function());
-        let (attend, attend_split, add_norm, embed_row) = (load("attend")?, load("attend_split")?, load("add_norm")?, load("embed_row")?);
         let head_dims: Vec<usize> = layers.iter().map(|l| l.attn.head_dim).collect();
-        let attend_group = load(attend_group_kernel(&head_dims))?;
+        let (attend, attend_split, add_norm, embed_row) = (load(for_head_dim("attend", &head_dims))?, load("attend_split")?, load("add_norm")?, load("embed_row")?);
+        let attend_group = load(for_head_dim("attend_group", &head_dims))?;
         // The dynamic shared memory a block may ask for: the GPU's per-block limit less the
         // kernels' static shared memory (block sums' scratch, the trace marks; under 1 KB).
         let optin = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(driver)? as usize;
@@ -1732,12 +1736,14 @@ mod tests {
     }
 
     #[test]
-    fn grouped_attention_takes_the_instance_compiled_for_a_head_dim_every_layer_shares() {
-        assert_eq!(attend_group_kernel(&[128; 28]), "attend_group_d128");
-        assert_eq!(attend_group_kernel(&[64; 24]), "attend_group_d64");
-        assert_eq!(attend_group_kernel(&[128, 128, 64]), "attend_group");
-        assert_eq!(attend_group_kernel(&[96; 4]), "attend_group");
-        assert_eq!(attend_group_kernel(&[]), "attend_group");
+    fn attention_takes_the_instance_compiled_for_a_head_dim_every_layer_shares() {
+        assert_eq!(for_head_dim("attend_group", &[128; 28]), "attend_group_d128");
+        assert_eq!(for_head_dim("attend", &[128; 28]), "attend_d128");
+        assert_eq!(for_head_dim("attend_group", &[64; 24]), "attend_group_d64");
+        assert_eq!(for_head_dim("attend", &[64; 24]), "attend_d64");
+        assert_eq!(for_head_dim("attend_group", &[128, 128, 64]), "attend_group");
+        assert_eq!(for_head_dim("attend", &[96; 4]), "attend");
+        assert_eq!(for_head_dim("attend_group", &[]), "attend_group");
     }
 
     #[test]
