@@ -77,6 +77,8 @@ struct MvArgs {
     const uint8_t* ahead[2];        // read-ahead: the starts of two matrices a later launch reads
     long long ahead_bytes;          // first (of each), this launch's blocks pulling them into L2
                                     // before their wait (0: none; see `stage_input`)
+    const unsigned long long* pick; // an LM head's: the step's greedy pick (`pick_greedy`), or null
+    unsigned long long* pick_scratch;  // its running maximum and count of blocks done, zeroed
 };
 
 // Programmatic dependent launch (Hopper on): `allow_next_kernel` lets the next kernel's blocks
@@ -979,6 +981,53 @@ __device__ __forceinline__ void stage_q8(const MvArgs& a, Staged& in, int kn) {
     in.xsum = xsum;
 }
 
+// A logit and its row as one 64-bit key whose unsigned order is the argmax's: larger values
+// first, then lower rows (the first of equal values wins); -0 counts as +0, and every key of a
+// number is above 0, which no logit takes (NaN never wins).
+__device__ __forceinline__ unsigned long long logit_key(float v, int r) {
+    unsigned u = v == 0.f ? 0u : __float_as_uint(v);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    return ((unsigned long long)u << 32) | (0xFFFFFFFFu - (unsigned)r);
+}
+
+// Greedy decoding's pick fused into the LM head's launch, where a chained step asks for it
+// (`a.pick`: the step's words [next, host, vocab], written before the step; next = 0: the host
+// or `pick_token` picks): each block takes the largest of the logits its warps stored (the rows
+// below `vocab` it took: `span` a pass, passes gridDim.x spans apart), folds it into one 64-bit
+// atomic maximum, and the last block to finish writes the token where the next step's embedding
+// reads it and into mapped host memory, as `pick_token` does, and leaves the scratch zeroed for
+// the next step. Only for unsplit stored launches (one block row).
+__device__ void pick_greedy(const MvArgs& a, int total, int span) {
+    unsigned* next = reinterpret_cast<unsigned*>(a.pick[0]);
+    if (next == nullptr) return;
+    int vocab = min(total, (int)a.pick[2]);
+    __shared__ unsigned long long block_best[32];
+    __syncthreads();  // the block's logits are stored (and visible to the whole block)
+    unsigned long long best = 0;
+    for (int q = threadIdx.x;; q += blockDim.x) {
+        int r = blockIdx.x * span + q / span * gridDim.x * span + q % span;
+        if (r >= vocab) break;  // r grows with q
+        float v = a.out[r];
+        if (v == v) best = max(best, logit_key(v, r));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, o));
+    if ((threadIdx.x & 31) == 0) block_best[threadIdx.x >> 5] = best;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    for (int w = 1; w < (int)(blockDim.x >> 5); w++) best = max(best, block_best[w]);
+    if (best) atomicMax(&a.pick_scratch[0], best);
+    __threadfence();
+    unsigned* done = reinterpret_cast<unsigned*>(&a.pick_scratch[1]);
+    if (atomicAdd(done, 1u) != gridDim.x - 1) return;
+    __threadfence();
+    unsigned long long won = atomicExch(&a.pick_scratch[0], 0ull);
+    *done = 0;
+    unsigned id = won ? 0xFFFFFFFFu - (unsigned)won : 0u;  // only NaN: token 0, as `row_argmax`
+    *next = id;
+    *reinterpret_cast<volatile unsigned*>(a.pick[1]) = id;
+}
+
 // out (=|+=) W · norm(x) over up to three stacked matrices, one warp per output row. Long rows
 // added into the residual, and those of short stored launches (q/k/v), are split over block rows
 // (split-K): block row y takes input values [k0, k0 + kn) and stores its partial sums; the
@@ -1167,6 +1216,7 @@ __device__ void mv_rows(const MvArgs& a) {
             else store_out(a, r, sum, in.tag);
         }
     }
+    if (a.pick) pick_greedy(a, total, warps << a.pairs);
     trace_block(a.trace, a.launch);
 }
 

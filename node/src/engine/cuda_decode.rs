@@ -97,6 +97,9 @@ struct MvArgs {
     tag: u64,
     ahead: [u64; 2],
     ahead_bytes: i64,
+    /// An LM head's: the step's greedy pick words (`pick_greedy`), or 0.
+    pick: u64,
+    pick_scratch: u64,
 }
 
 /// `AttnArgs` in decode.cu.
@@ -162,7 +165,8 @@ struct Buffers {
     /// What a step reads from the host: the position, then per layer the key and value cache
     /// addresses and their capacity (`KvSlot` in decode.cu), then the step's tag (see `tags`),
     /// the token id (`step_token`) and the address the embedding reads the id from (that word,
-    /// or a `DeviceChain`'s pick), written before the step's kernels.
+    /// or a `DeviceChain`'s pick), then where the LM head's launch writes a greedy pick (`Pick`),
+    /// written before the step's kernels (`step_words` in all).
     step: CudaSlice<u64>,
     /// The latest step's tag: steps taken, from 1 (tagged buffers start zeroed).
     tag: u32,
@@ -179,6 +183,21 @@ struct Buffers {
     uploads: Vec<(PinnedHostSlice<u64>, CudaEvent)>,
     /// Uploads so far.
     uploaded: usize,
+}
+
+/// Words of a step's arguments (`Buffers::step`) for `layers` layers.
+fn step_words(layers: usize) -> usize {
+    1 + 3 * layers + 3 + 3
+}
+
+/// Where a step's LM head launch writes its greedy pick (`pick_greedy` in decode.cu): a
+/// `DeviceChain`'s next-token word and the mapped host word for this step, and the vocabulary's
+/// size; all 0 where the host or `pick_token` picks.
+#[derive(Clone, Copy, Default)]
+struct Pick {
+    next: u64,
+    host: u64,
+    vocab: u64,
 }
 
 /// Page-locked copies of a step's arguments (`Buffers::uploads`): with a step queued ahead, the
@@ -364,6 +383,8 @@ pub struct FusedDecode {
     preload: bool,
     /// `launch_kinds` of `launches`.
     kinds: Vec<usize>,
+    /// The LM head's launch picks greedy chained tokens itself (`Pick`).
+    fused_pick: bool,
     /// Launch with programmatic stream serialization (sm_90 on): a kernel's blocks may start
     /// while the previous kernel finishes (the kernels wait before reading its results).
     overlap: bool,
@@ -1187,7 +1208,7 @@ impl FusedDecode {
         let x = tensor_ptr(&x_t)?;
         // The position, each layer's KV buffers (keys, values, capacity), the tag, the token id
         // and its address.
-        let step = stream.alloc_zeros::<u64>(4 + 3 * layers.len()).map_err(driver)?;
+        let step = stream.alloc_zeros::<u64>(step_words(layers.len())).map_err(driver)?;
         let step_ptr = step.device_ptr(&stream).0;
         // q/k/v, attention's and gate/up's outputs are tagged (`load_tagged` in decode.cu): the
         // next kernel reads each value as it is written instead of waiting for the last block.
@@ -1299,9 +1320,19 @@ impl FusedDecode {
             }
         }
         let mut logits = None;
+        // Greedy chained decoding picks its token in the LM head's own launch (`pick_greedy`),
+        // where that launch is one block row; `SHOAL_FUSED_PICK=0` leaves it to `pick_token`.
+        let mut fused_pick = false;
         if let Some((norm, lm_head)) = head {
             let t = Tensor::zeros((1, shape(lm_head)?.0), DType::F32, device)?;
-            launches.push(p.mv(&[lm_head], x, Some(norm), MODE_STORE, tensor_ptr(&t)?)?);
+            let mut launch = p.mv(&[lm_head], x, Some(norm), MODE_STORE, tensor_ptr(&t)?)?;
+            if let Launch::Mv { args, .. } = &mut launch {
+                if args.slice >= args.cols && tuned("PICK", 1) != 0 {
+                    (args.pick, args.pick_scratch) = (step_ptr + 8 * (step_words(layers.len()) - 3) as u64, p.scratch(4)?);
+                    fused_pick = true;
+                }
+            }
+            launches.push(launch);
             logits = Some(t);
         }
         let kinds = launch_kinds(&launches, layers.len());
@@ -1379,7 +1410,7 @@ impl FusedDecode {
         let mut uploads = Vec::with_capacity(UPLOAD_SLOTS);
         for _ in 0..UPLOAD_SLOTS {
             // SAFETY: a slot is written (`queue`) before any copy reads it.
-            let staged = unsafe { ctx.alloc_pinned::<u64>(4 + 3 * layers.len()) }.map_err(driver)?;
+            let staged = unsafe { ctx.alloc_pinned::<u64>(step_words(layers.len())) }.map_err(driver)?;
             uploads.push((staged, ctx.new_event(None).map_err(driver)?));
         }
         Ok(FusedDecode {
@@ -1401,6 +1432,7 @@ impl FusedDecode {
             attend_split_keys,
             preload: tuned("PRELOAD", 1) != 0,
             kinds,
+            fused_pick,
             overlap,
             buffers: Mutex::new(Buffers { x: x_t, step, tag: 0, logits, graphs: Vec::new(), trace, uploads, uploaded: 0 }),
             _keep: p.keep,
@@ -1448,7 +1480,7 @@ impl FusedDecode {
 
     /// The step itself, its input in `b.x` or (`token`) to be embedded by its first kernel.
     fn run(&self, mut b: std::sync::MutexGuard<'_, Buffers>, token: Option<u32>, cache: &mut ShardCache) -> Result<Tensor> {
-        self.queue(&mut b, token.map_or(TokenSource::Row, TokenSource::Host), cache)?;
+        self.queue(&mut b, token.map_or(TokenSource::Row, TokenSource::Host), Pick::default(), cache)?;
         match &b.logits {
             // The next step overwrites the buffers: hand out a copy.
             Some(l) => Ok(l.copy()?),
@@ -1458,9 +1490,9 @@ impl FusedDecode {
 
     /// Queues one step on the stream (its arguments, then the captured graph) and counts its
     /// position as written; nothing waits for it.
-    fn queue(&self, b: &mut Buffers, input: TokenSource, cache: &mut ShardCache) -> Result<()> {
+    fn queue(&self, b: &mut Buffers, input: TokenSource, pick: Pick, cache: &mut ShardCache) -> Result<()> {
         let pos = cache.position();
-        let mut step = Vec::with_capacity(4 + 3 * self.kv.len());
+        let mut step = Vec::with_capacity(step_words(self.kv.len()));
         step.push(pos as u64);
         for (lc, &(kv_heads, d, dtype)) in cache.layers.iter_mut().zip(&self.kv) {
             let (k, v) = lc.reserve(pos + 1, kv_heads, d, dtype, &self.device)?;
@@ -1475,7 +1507,7 @@ impl FusedDecode {
             TokenSource::Host(id) => (id, own_word),
             TokenSource::Device(at) => (0, at),
         };
-        step.extend([u64::from(token), token_at]);
+        step.extend([u64::from(token), token_at, pick.next, pick.host, pick.vocab]);
         let Buffers { uploads, uploaded, step: args, .. } = &mut *b;
         let (staged, copied) = &mut uploads[*uploaded % UPLOAD_SLOTS];
         *uploaded += 1;
@@ -1565,18 +1597,23 @@ impl FusedDecode {
             None if chain.queued == 0 => return Err(EngineError::Shard("a chain's first step needs its token".into())),
             None => TokenSource::Device(chain.next.device_ptr(&self.stream).0),
         };
-        let mut b = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
-        self.queue(&mut b, input, cache)?;
-        let logits = tensor_ptr(b.logits.as_ref().ok_or_else(|| unsupported("this step ends without logits"))?)?;
         let k = chain.queued;
         let (next, host) = (chain.next.device_ptr(&self.stream).0, chain.host_dev + 4 * (k % 2));
-        let mut launch = self.stream.launch_builder(&chain.pick);
-        launch.arg(&logits).arg(&chain.vocab).arg(&temperature).arg(&r).arg(&next).arg(&host);
-        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: the arguments match `pick_token`'s: `vocab` f32 logits (checked at `chain`),
-        // one device word and one mapped host word, all owned by `self` or `chain`, which waits
-        // for the stream before it lets them go.
-        unsafe { launch.launch(cfg) }.map_err(driver)?;
+        // Greedy: the LM head's launch picks (`Pick`); otherwise `pick_token` after the step.
+        let in_head = temperature == 0.0 && self.fused_pick;
+        let pick = if in_head { Pick { next, host, vocab: chain.vocab as u64 } } else { Pick::default() };
+        let mut b = self.buffers.lock().unwrap_or_else(|e| e.into_inner());
+        self.queue(&mut b, input, pick, cache)?;
+        if !in_head {
+            let logits = tensor_ptr(b.logits.as_ref().ok_or_else(|| unsupported("this step ends without logits"))?)?;
+            let mut launch = self.stream.launch_builder(&chain.pick);
+            launch.arg(&logits).arg(&chain.vocab).arg(&temperature).arg(&r).arg(&next).arg(&host);
+            let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: the arguments match `pick_token`'s: `vocab` f32 logits (checked at `chain`),
+            // one device word and one mapped host word, all owned by `self` or `chain`, which waits
+            // for the stream before it lets them go.
+            unsafe { launch.launch(cfg) }.map_err(driver)?;
+        }
         chain.done[(k % 2) as usize].record(&self.stream).map_err(driver)?;
         chain.queued += 1;
         Ok(k)
