@@ -20,7 +20,8 @@
 // Also here: a prompt's Q4_K and Q6_K matrices dequantized to f16 for cuBLAS
 // (`dequant_q4_k_f16`, `dequant_q6_k_f16`); at the end, sampling where the logits are (`sample_temperature` draws a token,
 // `sample_candidates` gathers top-k / top-p / min-p candidates for the host's cuts, `pick_token`
-// feeds a greedy or temperature pick straight into the next step's embedding).
+// feeds a temperature pick straight into the next step's embedding; a greedy one is picked inside
+// the LM head's launch, `pick_greedy`).
 // For prompts also: attention's scale, mask and softmax in one pass (`attention_softmax_*`) and
 // the MLP's act(gate) * up (`gated_product_*`).
 // What this file does not do: prompts' matrix products (t > 1 run through candle and cuBLAS),
@@ -1485,7 +1486,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) mv_gated_q4_k_ring_2(MvArgs
 // dequantized as ggml's CUDA kernels do), times `scale`, into the residual `out`. The token id's
 // address is written with the step's other arguments, so the captured step takes it from there
 // and no lookup runs outside the graph: it points at the id the host wrote beside it, or at the
-// one `pick_token` chose after the previous step (decoding that never waits for the host).
+// one the previous step picked (`pick_greedy`, `pick_token`: decoding that never waits for the host).
 struct EmbedArgs {
     const void* table;
     int fmt;

@@ -309,7 +309,8 @@ enum TokenSource {
     Device(u64),
 }
 
-/// One sequence decoded with each next token picked on the GPU (`pick_token`) and fed from
+/// One sequence decoded with each next token picked on the GPU (greedy: by the LM head's launch,
+/// `Pick`; a temperature draw: by `pick_token` after the step) and fed from
 /// there into the following step, so that the host queues a step before it has read the token
 /// its input is: the GPU never idles between steps for the host's round trip.
 /// Steps `k` and `k + 1` write their picks into alternate words of mapped page-locked memory;
