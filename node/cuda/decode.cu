@@ -982,6 +982,12 @@ __device__ __forceinline__ void stage_q8(const MvArgs& a, Staged& in, int kn) {
     in.xsum = xsum;
 }
 
+// The q-th of the rows an `mv` block (column) took: `span` (its warps' rows) a pass, passes
+// gridDim.x spans apart; it grows with q.
+__device__ __forceinline__ int block_row(int q, int span) {
+    return blockIdx.x * span + q / span * gridDim.x * span + q % span;
+}
+
 // A logit and its row as one 64-bit key whose unsigned order is the argmax's: larger values
 // first, then lower rows (the first of equal values wins); -0 counts as +0, and every key of a
 // number is above 0, which no logit takes (NaN never wins).
@@ -994,7 +1000,7 @@ __device__ __forceinline__ unsigned long long logit_key(float v, int r) {
 // Greedy decoding's pick fused into the LM head's launch, where a chained step asks for it
 // (`a.pick`: the step's words [next, host, vocab], written before the step; next = 0: the host
 // or `pick_token` picks): each block takes the largest of the logits its warps stored (the rows
-// below `vocab` it took: `span` a pass, passes gridDim.x spans apart), folds it into one 64-bit
+// below `vocab` it took, `block_row`), folds it into one 64-bit
 // atomic maximum, and the last block to finish writes the token where the next step's embedding
 // reads it and into mapped host memory, as `pick_token` does, and leaves the scratch zeroed for
 // the next step. Only for unsplit stored launches (one block row).
@@ -1006,8 +1012,8 @@ __device__ void pick_greedy(const MvArgs& a, int total, int span) {
     __syncthreads();  // the block's logits are stored (and visible to the whole block)
     unsigned long long best = 0;
     for (int q = threadIdx.x;; q += blockDim.x) {
-        int r = blockIdx.x * span + q / span * gridDim.x * span + q % span;
-        if (r >= vocab) break;  // r grows with q
+        int r = block_row(q, span);
+        if (r >= vocab) break;
         float v = a.out[r];
         if (v == v) best = max(best, logit_key(v, r));
     }
@@ -1196,11 +1202,10 @@ __device__ void mv_rows(const MvArgs& a) {
         // 427.9 / 424.4, 1.5B f16 684.8 / 686.4 -> 685.8 / 684.6 (the log has the other calls).
         const unsigned long long* words = reinterpret_cast<const unsigned long long*>(a.partial);
         unsigned long long since = 0;
-        // The rows this block column took (`span` a pass, passes gridDim.x spans apart), a
-        // thread per row.
+        // The rows this block column took (`block_row`), a thread per row.
         int span = warps << a.pairs;
         for (int q = threadIdx.x;; q += blockDim.x) {
-            int r = blockIdx.x * span + q / span * gridDim.x * span + q % span;
+            int r = block_row(q, span);
             if (r >= total) break;
             float sum = 0.f;
             for (int s0 = 0; s0 < (int)gridDim.y; s0 += 8) {
