@@ -5,6 +5,7 @@
 #   Prints the path of the stripped binary as the only line on stdout, and packs both binaries
 #   (shoal, examples/device_check) gzipped into .gpu/ for scripts/gpu-check.sh on a GPU machine,
 #   with .gpu/mv_bench (node/cuda/mv_bench.cu: the decode kernels alone, timed per shape),
+#   .gpu/pick_check (node/cuda/pick_check.cu: the greedy pick inside the LM head's launch, a check),
 #   .gpu/attend_bench (node/cuda/attend_bench.cu: long-context attention alone) and
 #   .gpu/residual_read_probe (node/cuda/residual_read_probe.cu: every block reading the residual).
 #
@@ -81,6 +82,9 @@ gzip -c "$bin" > "$here/.gpu/shoal.gz"
 gzip -c "$CARGO_TARGET_DIR/release/examples/device_check" > "$here/.gpu/device_check.gz"
 # The `mv` kernels alone on the real shapes (a benchmark: run .gpu/mv_bench there).
 nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/mv_bench" "$here/node/cuda/mv_bench.cu" >&2
+# The greedy pick inside the LM head's launch against the host's argmax (a check: gpu-check.sh
+# fidelity runs .gpu/pick_check).
+nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/pick_check" "$here/node/cuda/pick_check.cu" >&2
 # Long-context attention (`attend_group`) alone on the real shapes (.gpu/attend_bench).
 nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/attend_bench" "$here/node/cuda/attend_bench.cu" >&2
 # Every block reading the residual: time per block, one copy or several (.gpu/residual_read_probe).

@@ -9,7 +9,9 @@
 #                                   over a 3,000-token cache, attention shared out over blocks of one
 #                                   tile and of six, and a
 #                                   bf16 0.5B-shaped model's over 1,500); decoding
-#                                   with the GPU picking each token gives the host loop's; two
+#                                   with the GPU picking each token gives the host loop's (and the
+#                                   LM head's own greedy pick, .gpu/pick_check, the host's argmax
+#                                   over ties and NaN); two
 #                                   sequences decoded turn about equal each decoded alone; a
 #                                   600-token Q4_K_M prompt dequantized to f16 is at least as
 #                                   close to f32 as candle's MMQ kernels; the
@@ -77,6 +79,8 @@ fidelity() {
   "$CHECK" fixtures "$here/tests/fixtures" --device cuda || fail=1
   [[ ${1:-} == fixtures ]] && return
   "$CHECK" sample --device cuda || fail=1
+  # The greedy pick inside the LM head's launch: ties, NaN, a vocabulary shorter than the head.
+  "${PICK_CHECK:-$here/.gpu/pick_check}" || fail=1
   # Prompts' Q4_K and Q6_K matrices dequantized on the GPU equal the CPU's dequantization.
   "$CHECK" dequant --device cuda || fail=1
   shape q15 || { echo "FAIL making the 1.5B model"; fail=1; return; }

@@ -1,10 +1,15 @@
-// bench_common.cuh — what the standalone kernel benchmarks (mv_bench.cu, attend_bench.cu) share:
-// a CUDA call checked, the step tags launches read, the mean time of a launch, and a checksum of a
-// device buffer that builds can be compared by. Nothing else: each benchmark sets up its own shapes and arguments.
+// bench_common.cuh — what the standalone kernel harnesses (mv_bench.cu, attend_bench.cu,
+// pick_check.cu) share: a CUDA call checked, the step tags launches read, the mean time of a
+// launch, a checksum of a device buffer that builds can be compared by, and random weights in each
+// format. Included after decode.cu (its formats and `fmt_bytes`). Nothing else: each harness sets
+// up its own shapes and arguments.
 #pragma once
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
+#include <cstring>
+#include <cstdint>
+#include <cuda_fp16.h>
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
 
@@ -45,4 +50,26 @@ inline double checksum(const float* device_values, size_t n) {
     double check = 0;
     for (size_t i = 0; i < n; i++) check += host[i] * (double)(i % 7 + 1);
     return check;
+}
+
+inline uint16_t f2h(float f) { __half h = __float2half(f); uint16_t u; memcpy(&u, &h, 2); return u; }
+
+// Random weights whose scales are sane halves (so sums stay finite).
+inline std::vector<uint8_t> random_weights(int fmt, size_t rows, size_t cols, unsigned seed) {
+    size_t n = fmt_bytes(fmt, rows * cols);
+    std::vector<uint8_t> w(n);
+    srand(seed);
+    uint64_t st = 0x9E3779B97F4A7C15ull * seed;
+    for (size_t i = 0; i < n; i++) { st ^= st << 13; st ^= st >> 7; st ^= st << 17; w[i] = (uint8_t)st; }
+    auto put = [&](size_t off, float v) { uint16_t h = f2h(v); memcpy(&w[off], &h, 2); };
+    size_t nblk;
+    switch (fmt) {
+        case FMT_F16: for (size_t i = 0; i < rows * cols; i++) put(2 * i, ((rand() % 2001) - 1000) * 1e-5f); break;
+        case FMT_BF16: for (size_t i = 0; i < rows * cols; i++) { float v = ((rand() % 2001) - 1000) * 1e-5f; uint32_t u; memcpy(&u, &v, 4); uint16_t b = u >> 16; memcpy(&w[2 * i], &b, 2); } break;
+        case FMT_F32: for (size_t i = 0; i < rows * cols; i++) { float v = ((rand() % 2001) - 1000) * 1e-5f; memcpy(&w[4 * i], &v, 4); } break;
+        case FMT_Q8_0: nblk = rows * cols / 32; for (size_t b = 0; b < nblk; b++) put(b * 34, 1e-3f); break;
+        case FMT_Q4_K: nblk = rows * cols / 256; for (size_t b = 0; b < nblk; b++) { put(b * 144, 1e-3f); put(b * 144 + 2, 1e-3f); } break;
+        default: nblk = rows * cols / 256; for (size_t b = 0; b < nblk; b++) put(b * 210 + 208, 1e-3f); break;
+    }
+    return w;
 }

@@ -11,28 +11,6 @@
 #include <string>
 
 
-static uint16_t f2h(float f) { __half h = __float2half(f); uint16_t u; memcpy(&u, &h, 2); return u; }
-
-// Random weights whose scales are sane halves (so sums stay finite).
-static std::vector<uint8_t> random_weights(int fmt, size_t rows, size_t cols, unsigned seed) {
-    size_t n = fmt_bytes(fmt, rows * cols);
-    std::vector<uint8_t> w(n);
-    srand(seed);
-    uint64_t st = 0x9E3779B97F4A7C15ull * seed;
-    for (size_t i = 0; i < n; i++) { st ^= st << 13; st ^= st >> 7; st ^= st << 17; w[i] = (uint8_t)st; }
-    auto put = [&](size_t off, float v) { uint16_t h = f2h(v); memcpy(&w[off], &h, 2); };
-    size_t nblk;
-    switch (fmt) {
-        case FMT_F16: for (size_t i = 0; i < rows * cols; i++) put(2 * i, ((rand() % 2001) - 1000) * 1e-5f); break;
-        case FMT_BF16: for (size_t i = 0; i < rows * cols; i++) { float v = ((rand() % 2001) - 1000) * 1e-5f; uint32_t u; memcpy(&u, &v, 4); uint16_t b = u >> 16; memcpy(&w[2 * i], &b, 2); } break;
-        case FMT_F32: for (size_t i = 0; i < rows * cols; i++) { float v = ((rand() % 2001) - 1000) * 1e-5f; memcpy(&w[4 * i], &v, 4); } break;
-        case FMT_Q8_0: nblk = rows * cols / 32; for (size_t b = 0; b < nblk; b++) put(b * 34, 1e-3f); break;
-        case FMT_Q4_K: nblk = rows * cols / 256; for (size_t b = 0; b < nblk; b++) { put(b * 144, 1e-3f); put(b * 144 + 2, 1e-3f); } break;
-        default: nblk = rows * cols / 256; for (size_t b = 0; b < nblk; b++) put(b * 210 + 208, 1e-3f); break;
-    }
-    return w;
-}
-
 struct Case { const char* name; int fmt; int rows; int cols; int mode; int nseg; };
 
 int main(int argc, char** argv) {
