@@ -31,7 +31,8 @@
 #                                   setting in turn, ROUNDS times (2); SETTINGS are ';'-separated,
 #                                   each a list of VAR=value (SHOAL_BIN=path: another build), '' the
 #                                   defaults: ab "q15-f16" "SHOAL_FUSED_PRELOAD=0;"
-#   scripts/gpu-check.sh trace MODEL...   the fused step's per-launch timeline (SHOAL_FUSED_TRACE=1)
+#   scripts/gpu-check.sh trace MODEL...   the fused step's per-launch timeline (SHOAL_FUSED_TRACE=1;
+#                                   TRACE=2: every launch's line too)
 # Environment: SHOAL_BIN (default .gpu/shoal), DEVICE_CHECK (.gpu/device_check), TOKENIZER
 # (.gpu/tokenizer.json), WORK (/tmp/shoal-gpu: generated models, kept between stages), OUT,
 # DEVICE (ab and trace: cuda).
@@ -188,7 +189,8 @@ trace() { # trace MODEL...: one traced benchmark each (64 prompt tokens), its pe
   for m in "$@"; do
     local p; p=$(model_path "$m") || { fail=1; continue; }
     echo "$m:"
-    SHOAL_FUSED_TRACE=1 "$BIN" bench --model "$p" --device "${DEVICE:-cuda}" --prompt-tokens 64 --repetitions 1 2>&1 | grep -A8 "fused step trace" || { echo "  no trace (not a fused CUDA step?)"; fail=1; }
+    # TRACE=2: also every launch's line (layer by layer).
+    SHOAL_FUSED_TRACE=${TRACE:-1} "$BIN" bench --model "$p" --device "${DEVICE:-cuda}" --prompt-tokens 64 --repetitions 1 2>&1 | grep -A "$([[ ${TRACE:-1} == 2 ]] && echo 1200 || echo 8)" "fused step trace" | grep -E "^ |fused step" || { echo "  no trace (not a fused CUDA step?)"; fail=1; }
   done
 }
 

@@ -234,7 +234,8 @@ const TRACE_RECORDS: usize = 1 << 18;
 /// its first and its median block started and its first wait returned (negative: before the
 /// previous launch ended), and per block (medians) the staging and the work after it, then how
 /// long the last block ended after the median one.
-fn trace_summary(records: &[u64], kinds: &[usize]) -> String {
+/// `each_launch` (`SHOAL_FUSED_TRACE=2`): also one line per launch, in step order, with its layer.
+fn trace_summary(records: &[u64], kinds: &[usize], each_launch: bool) -> String {
     #[derive(Clone, Default)]
     struct PerLaunch {
         start: Vec<f64>,
@@ -263,23 +264,24 @@ fn trace_summary(records: &[u64], kinds: &[usize]) -> String {
     // Per kind: count, then the printed columns in order (span, first start, median start,
     // first wait, stage, work, tail).
     let mut sums = vec![[0f64; 8]; KIND_NAMES.len()];
+    let mut lines = String::new();
     let mut prev_end = None;
-    for (l, &kind) in launches.iter_mut().zip(kinds) {
+    let mut layer = 0;
+    for (i, (l, &kind)) in launches.iter_mut().zip(kinds).enumerate() {
         if l.end.is_empty() {
             continue;
         }
         let end = max(&l.end);
         if let Some(pe) = prev_end {
-            let s = &mut sums[kind];
-            s[0] += 1.0;
-            s[1] += end - pe;
-            s[2] += min(&l.start) - pe;
-            s[3] += median(&mut l.start) - pe;
-            s[4] += min(&l.waited) - pe;
-            s[5] += median(&mut l.stage);
-            s[6] += median(&mut l.work);
-            s[7] += end - median(&mut l.end);
+            let f = [1.0, end - pe, min(&l.start) - pe, median(&mut l.start) - pe, min(&l.waited) - pe, median(&mut l.stage), median(&mut l.work), end - median(&mut l.end)];
+            for (s, v) in sums[kind].iter_mut().zip(f) {
+                *s += v;
+            }
+            if each_launch {
+                lines += &format!("\n  #{i} layer {layer} {}: {:.2} | {:.2}, {:.2}, {:.2} | {:.2}, {:.2} | {:.2} ({} blocks)", KIND_NAMES[kind], f[1], f[2], f[3], f[4], f[5], f[6], f[7], l.end.len());
+            }
         }
+        layer += usize::from(kind == 4);
         prev_end = Some(end);
     }
     let mut out = String::from("fused step trace, µs per launch (mean over layers): kind: span | first start, median start, first wait after the previous end | median stage, work | tail");
@@ -289,7 +291,7 @@ fn trace_summary(records: &[u64], kinds: &[usize]) -> String {
             out += &format!("\n  {name}: {:.2} | {:.2}, {:.2}, {:.2} | {:.2}, {:.2} | {:.2}", s[1] / n, s[2] / n, s[3] / n, s[4] / n, s[5] / n, s[6] / n, s[7] / n);
         }
     }
-    out
+    out + &lines
 }
 
 /// A captured step. CUDA graph handles may move between threads; they must not be used from two
@@ -757,6 +759,11 @@ struct MvGrids {
     /// a launch, 3 an SM (both rows' loads in registers bound it), or 0 (`SHOAL_FUSED_Q6_PAIRS=0`:
     /// one row a warp at a time).
     q6_pairs_blocks: u32,
+    /// Rows a warp (of a one-row-a-warp grid) from which Q6_K launches take their rows two a
+    /// warp (`SHOAL_FUSED_Q6_PAIRS_ROWS`, 4): the LM heads and a 7B's down (6 rows a warp), not
+    /// the 1.5B's down (1.8). One H200 (session 54, two rounds, 7B Q4_K_M): 16 (heads only)
+    /// 508.6 / 512.9 -> 4: 515.1 / 515.3 tok/s; its trace's Q6_K downs 24.5 -> 23.1 µs a layer.
+    q6_pairs_rows: u32,
     /// Whether o's launch (the one taking attention's values as int8, `tag_in` 2) takes its Q4_K
     /// rows two a warp however many warps its grid has (`o_in_pairs`).
     o_pairs: bool,
@@ -789,9 +796,9 @@ impl MvGrids {
         let even = args.seg[..args.nseg as usize].iter().all(|s| s.rows % 2 == 0);
         let o_two_a_warp = self.o_pairs && args.tag_in == 2;
         let q4_pairs = self.q4_pairs && kernel == "mv_q4_k" && (more_rows_than_warps || o_two_a_warp) && even;
-        // Q6_K pairs only where each warp has many rows (LM heads): with a few (the 1.5B's down)
-        // the fewer blocks cost more than the pairs save.
-        let many_rows = rows >= cap.saturating_mul(warps).saturating_mul(16);
+        // Q6_K pairs only where each warp has several rows (LM heads, a 7B's down): with a few
+        // (the 1.5B's down) the fewer blocks cost more than the pairs save.
+        let many_rows = rows >= cap.saturating_mul(warps).saturating_mul(self.q6_pairs_rows);
         let q6_pairs = self.q6_pairs_blocks > 0 && kernel == "mv_q6_k" && args.q4k == 2 && many_rows && even;
         let pairs = i32::from(q4_pairs || q6_pairs || (self.mv_pairs && matches!(kernel, "mv_f16" | "mv_bf16") && more_rows_than_warps));
         let kernel = match (kernel, q4_pairs || q6_pairs, args.q4k == 2) {
@@ -1193,6 +1200,7 @@ impl FusedDecode {
             mv_pairs,
             q4_pairs: mv_pairs && tuned("Q4_PAIRS", 1) != 0,
             q6_pairs_blocks: if mv_pairs && tuned("Q6_PAIRS", 1) != 0 { sms * 3 } else { 0 },
+            q6_pairs_rows: tuned("Q6_PAIRS_ROWS", 4).max(1),
             o_pairs: false,  // (set once the ring's grid is known, below)
         };
         let smem_per_sm = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR).map_err(driver)? as usize;
@@ -1401,7 +1409,7 @@ impl FusedDecode {
         // `SHOAL_FUSED_DECODE=0` turns the fused step off (a diagnostic).
         let enabled = std::env::var("SHOAL_FUSED_DECODE").map_or(true, |v| v != "0");
         let profile = std::env::var("SHOAL_FUSED_PROFILE").is_ok_and(|v| v == "1").then(|| Mutex::new((0, vec![std::time::Duration::ZERO; KIND_NAMES.len()])));
-        let trace = match std::env::var("SHOAL_FUSED_TRACE").is_ok_and(|v| v == "1") {
+        let trace = match std::env::var("SHOAL_FUSED_TRACE").is_ok_and(|v| v == "1" || v == "2") {
             true => {
                 let mut t = stream.alloc_zeros::<u64>(2 + 5 * TRACE_RECORDS).map_err(driver)?;
                 stream.memcpy_htod(&[0, TRACE_RECORDS as u64], &mut t.slice_mut(0..2)).map_err(driver)?;
@@ -1545,7 +1553,8 @@ impl FusedDecode {
                 let head = self.stream.clone_dtoh(&t.slice(0..1)).map_err(driver)?;
                 let n = (head[0] as usize).min(TRACE_RECORDS);
                 let records = self.stream.clone_dtoh(&t.slice(2..2 + 5 * n)).map_err(driver)?;
-                eprintln!("{}", trace_summary(&records, &self.kinds));
+                let each_launch = std::env::var("SHOAL_FUSED_TRACE").is_ok_and(|v| v == "2");
+                eprintln!("{}", trace_summary(&records, &self.kinds, each_launch));
             }
         }
         for lc in cache.layers.iter_mut() {
@@ -1739,7 +1748,7 @@ mod tests {
 
     /// An H100's grids (132 SMs) with every pairing on, as `FusedDecode::build` sets them.
     fn h100() -> MvGrids {
-        MvGrids { mv_blocks: 132 * 4, mv_warps: 16, ring_blocks: 132 * 3, mv_pairs: true, q4_pairs: true, q6_pairs_blocks: 132 * 3, o_pairs: false }
+        MvGrids { mv_blocks: 132 * 4, mv_warps: 16, ring_blocks: 132 * 3, mv_pairs: true, q4_pairs: true, q6_pairs_blocks: 132 * 3, q6_pairs_rows: 4, o_pairs: false }
     }
 
     /// A down launch (`rows` x `cols`, one matrix of `fmt`, added into the residual) as planned:
@@ -1882,23 +1891,31 @@ mod tests {
     fn split_slices_give_every_warp_whole_passes_where_some_count_does() {
         let grids = h100();
         // Qwen2.5-7B's down (18,944 values, 3,584 rows): 7 slices of 2,816 values in f16, Q4_K and
-        // Q6_K, each a grid whose warps all take 3 row pairs (Q6_K: 6 rows, one a warp), not 10
-        // of 2,048.
+        // Q6_K, each a grid whose warps all take 3 row pairs (Q6_K: 4 pairs in blocks of 8 warps,
+        // 3 an SM), not 10 of 2,048.
         for fmt in [FMT_F16, FMT_Q4_K, FMT_Q6_K] {
             let (kernel, args) = down(fmt, 3584, 18944);
             let slice = grids.split_slice(kernel, &args, 3584);
             assert_eq!(slice, 2816, "format {fmt}");
             let shape = grids.shape(kernel, &MvArgs { slice, ..args }, 3584);
             assert_eq!(shape.slices, 7);
+            if fmt == FMT_Q6_K {
+                assert_eq!((shape.kernel, shape.pairs, shape.blocks, shape.threads), ("mv_q6_k_q8_pairs", 1, 56, 256));
+            }
             let rows_a_pass = shape.blocks * ((shape.threads / 32) << shape.pairs);
             let last_pass = 3584 - (3584 - 1) / rows_a_pass * rows_a_pass;
             assert!(last_pass >= rows_a_pass * 95 / 100, "format {fmt}: {rows_a_pass} rows a pass, {last_pass} in the last");
         }
         // Qwen2.5-1.5B's down (8,960 values, 1,536 rows): 5 slices of 1,792 values, one pass of row
-        // pairs (f16, Q4_K); Q6_K rows one a warp have no whole-pass count, and keep 5 too.
+        // pairs (f16, Q4_K); Q6_K rows one a warp (under 2 a warp: no pairs) have no whole-pass
+        // count, and keep 5 too.
         for fmt in [FMT_F16, FMT_Q4_K, FMT_Q6_K] {
             let (kernel, args) = down(fmt, 1536, 8960);
-            assert_eq!(grids.split_slice(kernel, &args, 1536), 1792, "format {fmt}");
+            let slice = grids.split_slice(kernel, &args, 1536);
+            assert_eq!(slice, 1792, "format {fmt}");
+            if fmt == FMT_Q6_K {
+                assert_eq!(grids.shape(kernel, &MvArgs { slice, ..args }, 1536).kernel, "mv_q6_k_q8");
+            }
         }
     }
 }
