@@ -1052,6 +1052,16 @@ __device__ void mv_rows(const MvArgs& a) {
     int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     int first = blockIdx.x * warps + (threadIdx.x >> 5);
     int total = a.seg[0].rows + (a.nseg > 1 ? a.seg[1].rows : 0) + (a.nseg > 2 ? a.seg[2].rows : 0);
+    // The row of a launch's q-th (in the order warps take them). Launches mixing formats (q/k/v
+    // with a Q6_K v, one row a warp) move their last matrix's rows (v, the slower rows, with no
+    // first step loaded before the wait) to just after the rows of the warps that take a second
+    // row: those rows go to warps that take no other (the 7B's 4,608 rows over 4,224 warps: the
+    // 384 second rows had been v's, after a first q row each), or to the first warps, which start
+    // earliest, where no warp takes two (the 1.5B's 2,048). One H200 (session 54, three rounds):
+    // 7B Q4_K_M 515.5 / 511.3 / 511.9 -> 518.7 / 518.5 / 518.9 tok/s, its q/k/v 9.4 -> 8.6 µs a
+    // layer (10.3 -> 8.8 where v is Q6_K); the 1.5B Q4_K_M within its noise.
+    int moved = F == FMT_ANY && Q8 ? a.seg[a.nseg - 1].rows : 0, at = min(max(0, total - (int)(gridDim.x * warps)), total - moved);
+    auto walk = [&](int q) { return q < at || q >= total ? q : q < at + moved ? total - moved + (q - at) : q - moved; };
     trace_mark(a.trace, &trace_started);
     // f16/bf16 rows with `preload`: the warp's first rows (one round of loads) go out before the
     // wait for the previous kernel, as weights depend on none; otherwise their start is pulled
@@ -1074,7 +1084,7 @@ __device__ void mv_rows(const MvArgs& a) {
     Q4Loads q4first;
     bool q4pre = false;
     if (Q8 && a.preload && (first << a.pairs) < total) {
-        int lr = first << a.pairs;
+        int lr = walk(first << a.pairs);
         Seg sg = seg_of_row(a, &lr);
         if ((F == FMT_Q4_K || F == FMT_ANY) && sg.fmt == FMT_Q4_K) {
             const uint8_t* blk0 = row_at(sg.w, FMT_Q4_K, lr, a.cols, k0) + (size_t)(lane >> 3) * 144;
@@ -1098,8 +1108,8 @@ __device__ void mv_rows(const MvArgs& a) {
     };
     __shared__ float first_bias[MV_MAX_WARPS][2];
     float* my_first_bias = first_bias[threadIdx.x >> 5];
-    if (lane == 0) my_first_bias[0] = bias_of(first << a.pairs), my_first_bias[1] = a.pairs ? bias_of((first << a.pairs) + 1) : 0.f;
-    Staged in = stage_input(a, k0, kn, false, preloaded ? total : first << a.pairs, total, reinterpret_cast<float*>(xs4));
+    if (lane == 0) my_first_bias[0] = bias_of(walk(first << a.pairs)), my_first_bias[1] = a.pairs ? bias_of((first << a.pairs) + 1) : 0.f;
+    Staged in = stage_input(a, k0, kn, false, preloaded ? total : walk(first << a.pairs), total, reinterpret_cast<float*>(xs4));
     if (Q8) stage_q8(a, in, kn);
     // Row r's product y, the k-th of the warp's rows at a time (`first_rows`: its first ones).
     auto put = [&](int r, int k, bool first_rows, float y) {
@@ -1185,10 +1195,10 @@ __device__ void mv_rows(const MvArgs& a) {
         };
         int r = first, stride = gridDim.x * warps;
         if (q4pre) {
-            one(r, true);
+            one(walk(r), true);
             r += stride;
         }
-        for (; r < total; r += stride) one(r, false);
+        for (; r < total; r += stride) one(walk(r), false);
     }
     if (gridDim.y > 1 && a.partial && blockIdx.y == gridDim.y - 1) {
         // The column's last slice's block (the last to be scheduled, so the one that waits
@@ -1207,6 +1217,7 @@ __device__ void mv_rows(const MvArgs& a) {
         for (int q = threadIdx.x;; q += blockDim.x) {
             int r = block_row(q, span);
             if (r >= total) break;
+            r = walk(r);
             float sum = 0.f;
             for (int s0 = 0; s0 < (int)gridDim.y; s0 += 8) {
                 int at[8];
