@@ -1,7 +1,7 @@
 // bench_common.cuh — what the standalone kernel harnesses (mv_bench.cu, attend_bench.cu,
-// pick_check.cu) share: a CUDA call checked, the step tags launches read, the mean time of a
-// launch, a checksum of a device buffer that builds can be compared by, and random weights in each
-// format. Included after decode.cu (its formats and `fmt_bytes`). Nothing else: each harness sets
+// pick_check.cu) share: a CUDA call checked, the step tags launches read, a launch that may overlap
+// the previous kernel (as the engine's), the mean time of a launch, a checksum of a device buffer
+// that builds can be compared by, and random weights in each format. Included after decode.cu (its formats and `fmt_bytes`). Nothing else: each harness sets
 // up its own shapes and arguments.
 #pragma once
 #include <cstdio>
@@ -41,6 +41,22 @@ double us_per_launch(Launch launch, int copies, int iters) {
     cudaEventDestroy(e0);
     cudaEventDestroy(e1);
     return ms * 1000.0 / iters;
+}
+
+// One launch as the engine makes it on Hopper: allowed to start while the previous kernel
+// finishes (programmatic stream serialization).
+template <typename Args>
+inline void launch_overlapping(void (*kernel)(Args), dim3 grid, dim3 block, size_t smem, Args a) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&cfg, kernel, a));
 }
 
 // Σ value i × (i mod 7 + 1) over `n` floats on the device.

@@ -125,16 +125,7 @@ int main(int argc, char** argv) {
                     kernel<<<grid, 256, smem>>>(a);
                     return;
                 }
-                cudaLaunchConfig_t cfg = {};
-                cfg.gridDim = grid;
-                cfg.blockDim = dim3(256);
-                cfg.dynamicSmemBytes = smem;
-                cudaLaunchAttribute attr;
-                attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-                attr.val.programmaticStreamSerializationAllowed = 1;
-                cfg.attrs = &attr;
-                cfg.numAttrs = 1;
-                CK(cudaLaunchKernelEx(&cfg, kernel, a));
+                launch_overlapping(kernel, grid, dim3(256), smem, a);
             };
             double us = us_per_launch(launch, copies, iters);
             // One clean launch for a checksum that builds can be compared by.

@@ -104,16 +104,7 @@ int main() {
             a.tag = tags;
             a.pick = pick;
             a.pick_scratch = scratch;
-            cudaLaunchConfig_t cfg = {};
-            cfg.gridDim = dim3(blocks);
-            cfg.blockDim = dim3(in.threads);
-            cfg.dynamicSmemBytes = smem;
-            cudaLaunchAttribute attr;
-            attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-            attr.val.programmaticStreamSerializationAllowed = 1;
-            cfg.attrs = &attr;
-            cfg.numAttrs = 1;
-            CK(cudaLaunchKernelEx(&cfg, in.kernel, a));
+            launch_overlapping(in.kernel, dim3(blocks), dim3(in.threads), smem, a);
             CK(cudaDeviceSynchronize());
             logits.resize(rows);
             CK(cudaMemcpy(logits.data(), out, (size_t)rows * 4, cudaMemcpyDeviceToHost));
