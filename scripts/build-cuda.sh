@@ -6,6 +6,7 @@
 #   (shoal, examples/device_check) gzipped into .gpu/ for scripts/gpu-check.sh on a GPU machine,
 #   with .gpu/mv_bench (node/cuda/mv_bench.cu: the decode kernels alone, timed per shape),
 #   .gpu/pick_check (node/cuda/pick_check.cu: the greedy pick inside the LM head's launch, a check),
+#   .gpu/q6k_layout_bench (node/cuda/q6k_layout_bench.cu: Q6_K rows, GGUF's layout against an aligned one),
 #   .gpu/attend_bench (node/cuda/attend_bench.cu: long-context attention alone) and
 #   .gpu/residual_read_probe (node/cuda/residual_read_probe.cu: every block reading the residual).
 #
@@ -85,6 +86,8 @@ nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/mv_bench" "$here/node/cuda/mv_b
 # The greedy pick inside the LM head's launch against the host's argmax (a check: gpu-check.sh
 # fidelity runs .gpu/pick_check).
 nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/pick_check" "$here/node/cuda/pick_check.cu" >&2
+# Q6_K rows in GGUF's 2-byte-aligned blocks against the same values split by field (.gpu/q6k_layout_bench).
+nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/q6k_layout_bench" "$here/node/cuda/q6k_layout_bench.cu" >&2
 # Long-context attention (`attend_group`) alone on the real shapes (.gpu/attend_bench).
 nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/attend_bench" "$here/node/cuda/attend_bench.cu" >&2
 # Every block reading the residual: time per block, one copy or several (.gpu/residual_read_probe).

@@ -1,0 +1,210 @@
+// q6k_layout_bench.cu — what an aligned Q6_K layout would be worth to the decode step's int8
+// matrix-vector product: the same kernel and arithmetic as decode.cu's `dot_q6_k_q8` (two rows a
+// warp, 8 warps a block, 3 blocks an SM), once over GGUF's 210-byte blocks, which are only 2-byte
+// aligned (each 8 bytes a lane reads come as two or three words and two funnel shifts), and once
+// over the same values split by field into four arrays (low nibbles, high bit pairs, scales, d),
+// where each lane's 8 bytes of a field are one 8-byte load. On the 7B's down (3,584 x 18,944, in 7
+// slices as the engine runs it) and LM head shapes, over enough copies that nothing stays in L2.
+// Prints µs per launch, GB/s of GGUF bytes, and both layouts' checksums (equal: the same sums in
+// the same order). Built by scripts/build-cuda.sh; run on the GPU machine. Not a test: it asserts
+// nothing; shoal does not repack Q6_K (candle's kernels read the GGUF layout for short prompts).
+#include "decode.cu"
+#include "bench_common.cuh"
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+// One Q6_K matrix split by field: block g (row-major over rows and blocks) has its 128 bytes of
+// low nibbles at ql + 128 g, 64 of high bit pairs at qh + 64 g, 16 scales at sc + 16 g, d at d + g.
+struct Q6Split {
+    const uint8_t* ql;
+    const uint8_t* qh;
+    const uint8_t* sc;
+    const __half* d;
+};
+
+struct BenchArgs {
+    const uint8_t* w;  // GGUF blocks (split = false)
+    Q6Split s;         // the same values split by field (split = true)
+    int rows, cols;    // the matrix; a block column takes values [k0, k0 + slice) of every row
+    int slice;
+    const int8_t* x8;  // cols int8 inputs, one scale a 32 (dx)
+    const float* dx;
+    float* out;        // gridDim.y x rows partial sums
+};
+
+// dot_q6_k_q8<2>'s walk with its loads taken from either layout; `use` is decode.cu's, verbatim.
+template <bool SPLIT>
+__device__ __forceinline__ void dot_q6_pair(const BenchArgs& a, int row, int b_first, int nb, const int8_t* x8, const float* dx, float* out) {
+    constexpr int R = 2;
+    int lane = threadIdx.x & 31, sub = lane & 7, n = sub >> 2, l0 = (sub & 3) * 8, c = (sub & 3) >> 1;
+    const int qa_w = (64 * n + l0) / 4, qh_w = (128 + 32 * n + l0) / 4, sc_w = (192 + 8 * n) / 4;
+    const uint32_t sc_pick = c | (c + 2) << 4 | (c + 4) << 8 | (c + 6) << 12;
+    const float scale_byte = 8388608.f + 128.f;
+    int row_blocks = a.cols >> 8, b = lane >> 3;
+    const uint8_t* blk[R];
+    size_t g[R];
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) {
+        g[rr] = (size_t)(row + rr) * row_blocks + b_first + b;
+        blk[rr] = a.w + g[rr] * 210;
+    }
+    const int8_t* xb = x8 + b * 256 + 128 * n + l0;
+    const float* db = dx + b * 8 + 4 * n;
+    float acc[R] = {0.f, 0.f};
+    auto load = [&](int step, Q6Loads* l) {
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) {
+            if (SPLIT) {
+                size_t gg = g[rr] + 4 * step;
+                uint2 qa = *reinterpret_cast<const uint2*>(a.s.ql + gg * 128 + 64 * n + l0);
+                uint2 qb = *reinterpret_cast<const uint2*>(a.s.ql + gg * 128 + 64 * n + l0 + 32);
+                uint2 qh = *reinterpret_cast<const uint2*>(a.s.qh + gg * 64 + 32 * n + l0);
+                uint2 sc = *reinterpret_cast<const uint2*>(a.s.sc + gg * 16 + 8 * n);
+                l[rr].qa[0] = qa.x, l[rr].qa[1] = qa.y, l[rr].qb[0] = qb.x, l[rr].qb[1] = qb.y;
+                l[rr].qh[0] = qh.x, l[rr].qh[1] = qh.y, l[rr].sc[0] = sc.x, l[rr].sc[1] = sc.y;
+                l[rr].d = __half2float(a.s.d[gg]);
+            } else {
+                const uint8_t* p = blk[rr] + step * 840;
+                const uint32_t* w = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(p) & ~(uintptr_t)3);
+                uint32_t shift = (uint32_t)(reinterpret_cast<uintptr_t>(p) & 2) * 8;
+                auto eight = [&](int at, uint32_t* out2) {
+                    uint32_t w0 = __ldg(w + at), w1 = __ldg(w + at + 1), w2 = shift ? __ldg(w + at + 2) : 0u;
+                    out2[0] = __funnelshift_r(w0, w1, shift);
+                    out2[1] = __funnelshift_r(w1, w2, shift);
+                };
+                eight(qa_w, l[rr].qa);
+                eight(qa_w + 8, l[rr].qb);
+                eight(qh_w, l[rr].qh);
+                eight(sc_w, l[rr].sc);
+                l[rr].d = half_at(p, 208);
+            }
+        }
+    };
+    auto use = [&](int step, const Q6Loads* l) {
+        const int8_t* xp = xb + step * 1024;
+        const float* dp = db + step * 32;
+        int2 xw[4];
+        int start[4];
+        float dxj[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            xw[j] = *reinterpret_cast<const int2*>(xp + 32 * j);
+            start[j] = -32 * __dp4a(0x01010101, xw[j].y, __dp4a(0x01010101, xw[j].x, 0));
+            dxj[j] = dp[j];
+        }
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) {
+            uint32_t q0[4], q1[4];
+            q6k_words(l[rr].qa[0], l[rr].qb[0], l[rr].qh[0], q0);
+            q6k_words(l[rr].qa[1], l[rr].qb[1], l[rr].qh[1], q1);
+            uint32_t sc = __byte_perm(l[rr].sc[0], l[rr].sc[1], sc_pick) ^ 0x80808080u;
+            float sum = 0.f;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                int v = __dp4a((int)q1[j], xw[j].y, __dp4a((int)q0[j], xw[j].x, start[j]));
+                float f = __int_as_float(v + 0x4B400000) - 12582912.f;
+                sum = fmaf(byte_float(sc, j, scale_byte) * dxj[j], f, sum);
+            }
+            acc[rr] = fmaf(l[rr].d, sum, acc[rr]);
+        }
+    };
+    auto advance = [&](int steps) {
+#pragma unroll
+        for (int rr = 0; rr < R; rr++) blk[rr] += steps * 840, g[rr] += 4 * steps;
+        xb += steps * 1024;
+        db += steps * 32;
+        b += steps * 4;
+    };
+    two_steps_at_a_time<Q6Loads[R]>(b, nb, load, use, advance);
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) out[rr] = warp_sum(acc[rr]);
+}
+
+// Rows two a warp over a block column's slice; the slice's int8 input staged in shared memory.
+template <bool SPLIT>
+__global__ void __launch_bounds__(256, 3) q6_rows(BenchArgs a) {
+    extern __shared__ float4 smem4[];
+    int8_t* x8 = reinterpret_cast<int8_t*>(smem4);
+    float* dx = reinterpret_cast<float*>(x8 + a.slice);
+    int k0 = blockIdx.y * a.slice, kn = min(a.slice, a.cols - k0);
+    for (int i = threadIdx.x; i < kn / 4; i += blockDim.x) reinterpret_cast<int*>(x8)[i] = reinterpret_cast<const int*>(a.x8 + k0)[i];
+    for (int i = threadIdx.x; i < kn / 32; i += blockDim.x) dx[i] = a.dx[k0 / 32 + i];
+    __syncthreads();
+    int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
+    for (int r = 2 * (blockIdx.x * warps + (threadIdx.x >> 5)); r < a.rows; r += 2 * gridDim.x * warps) {
+        float y[2];
+        dot_q6_pair<SPLIT>(a, r, k0 >> 8, kn >> 8, x8, dx, y);
+        if (lane == 0) a.out[(size_t)blockIdx.y * a.rows + r] = y[0], a.out[(size_t)blockIdx.y * a.rows + r + 1] = y[1];
+    }
+}
+
+int main() {
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    struct Case { const char* name; int rows, cols, slices; };
+    const Case cases[] = {{"7B down", 3584, 18944, 7}, {"7B head", 152064, 3584, 1}, {"1.5B down", 1536, 8960, 5}, {"1.5B head", 151936, 1536, 1}};
+    for (const Case& c : cases) {
+        size_t blocks = (size_t)c.rows * c.cols / 256, bytes = blocks * 210;
+        int copies = (int)std::max<size_t>(2, (size_t)(600u << 20) / bytes + 1);
+        auto h = random_weights(FMT_Q6_K, c.rows, c.cols, 9);
+        std::vector<uint8_t> ql(blocks * 128), qh(blocks * 64), sc(blocks * 16), d(blocks * 2);
+        for (size_t g = 0; g < blocks; g++) {
+            memcpy(&ql[g * 128], &h[g * 210], 128);
+            memcpy(&qh[g * 64], &h[g * 210 + 128], 64);
+            memcpy(&sc[g * 16], &h[g * 210 + 192], 16);
+            memcpy(&d[g * 2], &h[g * 210 + 208], 2);
+        }
+        std::vector<BenchArgs> args(copies);
+        std::vector<int8_t> hx(c.cols);
+        std::vector<float> hdx(c.cols / 32);
+        for (int i = 0; i < c.cols; i++) hx[i] = (int8_t)((i * 37) % 255 - 127);
+        for (int i = 0; i < c.cols / 32; i++) hdx[i] = 1e-2f * (1 + i % 5);
+        int8_t* x8;
+        float *dx, *out;
+        CK(cudaMalloc(&x8, c.cols));
+        CK(cudaMalloc(&dx, c.cols / 32 * 4));
+        CK(cudaMalloc(&out, (size_t)c.slices * c.rows * 4));
+        CK(cudaMemcpy(x8, hx.data(), c.cols, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(dx, hdx.data(), c.cols / 32 * 4, cudaMemcpyHostToDevice));
+        for (BenchArgs& a : args) {
+            uint8_t *w, *pl, *ph, *ps, *pd;
+            CK(cudaMalloc(&w, bytes));
+            CK(cudaMalloc(&pl, ql.size()));
+            CK(cudaMalloc(&ph, qh.size()));
+            CK(cudaMalloc(&ps, sc.size()));
+            CK(cudaMalloc(&pd, d.size()));
+            CK(cudaMemcpy(w, h.data(), bytes, cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(pl, ql.data(), ql.size(), cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(ph, qh.data(), qh.size(), cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(ps, sc.data(), sc.size(), cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(pd, d.data(), d.size(), cudaMemcpyHostToDevice));
+            a = BenchArgs{w, Q6Split{pl, ph, ps, reinterpret_cast<const __half*>(pd)}, c.rows, c.cols, c.cols / c.slices / 256 * 256 + (c.cols / 256 % c.slices ? 256 : 0), x8, dx, out};
+        }
+        int slice = args[0].slice, slices = (c.cols + slice - 1) / slice;
+        size_t smem = slice + slice / 32 * 4;
+        int blocks_x = std::max(1, 3 * sms / slices);
+        for (int split = 0; split < 2; split++) {
+            auto kernel = split ? q6_rows<true> : q6_rows<false>;
+            CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+            auto launch = [&](int k) { launch_overlapping(kernel, dim3(blocks_x, slices), dim3(256), smem, args[k]); };
+            double us = us_per_launch(launch, copies, std::max(copies * 4, 64));
+            CK(cudaMemset(out, 0, (size_t)slices * c.rows * 4));
+            launch(0);
+            double check = checksum(out, (size_t)slices * c.rows);
+            printf("%-10s %-20s %7.1f us  %6.0f GB/s  (%.1f MB, grid %dx%d)  check %.6e\n", c.name, split ? "split by field" : "GGUF blocks", us, bytes / us / 1e3, bytes / 1e6, blocks_x, slices, check);
+        }
+        for (BenchArgs& a : args) {
+            cudaFree(const_cast<uint8_t*>(a.w));
+            cudaFree(const_cast<uint8_t*>(a.s.ql));
+            cudaFree(const_cast<uint8_t*>(a.s.qh));
+            cudaFree(const_cast<uint8_t*>(a.s.sc));
+            cudaFree(const_cast<__half*>(a.s.d));
+        }
+        cudaFree(x8);
+        cudaFree(dx);
+        cudaFree(out);
+    }
+    return 0;
+}
