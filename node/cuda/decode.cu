@@ -631,20 +631,75 @@ struct Q6Loads {
     float d;
 };
 
+// One step of `dot_q6_k_q8`'s loads for R rows: the lane's 8 bytes of each field of the block at
+// p[rr] (its low nibbles at word qa_w and 8 words on, high bit pairs at qh_w, scales at sc_w) and
+// its d. Q6_K blocks are only 2-byte aligned: each 8 bytes come as aligned words (three where
+// the block starts off a word, else two) and two funnel shifts. (The third word only where the
+// block starts 2 bytes past a word: for an aligned last block of a tensor, the scales' third word
+// would lie past its end.)
+template <int R>
+__device__ __forceinline__ void q6k_load_words(const uint8_t* const* p, int qa_w, int qh_w, int sc_w, Q6Loads* l) {
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) {
+        const uint32_t* w = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(p[rr]) & ~(uintptr_t)3);
+        uint32_t shift = (uint32_t)(reinterpret_cast<uintptr_t>(p[rr]) & 2) * 8;
+        auto eight = [&](int at, uint32_t* out2) {
+            uint32_t w0 = __ldg(w + at), w1 = __ldg(w + at + 1), w2 = shift ? __ldg(w + at + 2) : 0u;
+            out2[0] = __funnelshift_r(w0, w1, shift);
+            out2[1] = __funnelshift_r(w1, w2, shift);
+        };
+        eight(qa_w, l[rr].qa);
+        eight(qa_w + 8, l[rr].qb);
+        eight(qh_w, l[rr].qh);
+        eight(sc_w, l[rr].sc);
+        l[rr].d = half_at(p[rr], 208);
+    }
+}
+
+// One step of `dot_q6_k_q8`'s products for R rows, added into acc: the lane's loads `l` against
+// its int8 inputs from `xp` (8 of each of four 32-value groups, 32 apart) and their groups' scales
+// `dp`. Each word of four 6-bit values (`q6k_words`) meets four input bytes in one `dp4a`, chained
+// over the group's two words from minus 32 times the inputs' sum (the values' offset; once for
+// all R rows); `sc_pick` selects the lane's four scales of the eight loaded.
+template <int R>
+__device__ __forceinline__ void q6k_use(const Q6Loads* l, const int8_t* xp, const float* dp, uint32_t sc_pick, float* acc) {
+    const float scale_byte = 8388608.f + 128.f;
+    int2 xw[4];
+    int start[4];
+    float dxj[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        xw[j] = *reinterpret_cast<const int2*>(xp + 32 * j);
+        start[j] = -32 * __dp4a(0x01010101, xw[j].y, __dp4a(0x01010101, xw[j].x, 0));
+        dxj[j] = dp[j];
+    }
+#pragma unroll
+    for (int rr = 0; rr < R; rr++) {
+        uint32_t q0[4], q1[4];
+        q6k_words(l[rr].qa[0], l[rr].qb[0], l[rr].qh[0], q0);
+        q6k_words(l[rr].qa[1], l[rr].qb[1], l[rr].qh[1], q1);
+        uint32_t sc = __byte_perm(l[rr].sc[0], l[rr].sc[1], sc_pick) ^ 0x80808080u;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int v = __dp4a((int)q1[j], xw[j].y, __dp4a((int)q0[j], xw[j].x, start[j]));  // |v| < 2^16
+            float f = __int_as_float(v + 0x4B400000) - 12582912.f;  // exact for |v| < 2^22
+            sum = fmaf(byte_float(sc, j, scale_byte) * dxj[j], f, sum);
+        }
+        acc[rr] = fmaf(l[rr].d, sum, acc[rr]);
+    }
+}
+
 // R Q6_K rows · int8 activations (`x8`, one scale `dx` per 32 values). Eight lanes a block, four
 // blocks a step: lane (n, l0) takes l0 .. l0 + 7 of each of the four 32-value groups of its half
-// n (all under one scale each), so a block's scales and d are loaded once per 32 values. Q6_K
-// blocks are only 2-byte aligned: each 8 bytes come as aligned words (three where the block
-// starts off a word, else two) and two funnel shifts. Each word of four 6-bit values
-// (`q6k_words`) meets four input bytes in one `dp4a`, chained over the group's two words from
-// minus 32 times the inputs' sum (the values' offset; once for all R rows). Like the Q4_K kernel
-// this one is bound by instruction issue; steps go two at a time (`two_steps_at_a_time`).
+// n (all under one scale each), so a block's scales and d are loaded once per 32 values
+// (`q6k_load_words`, `q6k_use`). Like the Q4_K kernel this one is bound by instruction issue;
+// steps go two at a time (`two_steps_at_a_time`).
 template <int R>
 __device__ __forceinline__ void dot_q6_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, float* out) {
     int lane = threadIdx.x & 31, sub = lane & 7, n = sub >> 2, l0 = (sub & 3) * 8, c = (sub & 3) >> 1;
     const int qa_w = (64 * n + l0) / 4, qh_w = (128 + 32 * n + l0) / 4, sc_w = (192 + 8 * n) / 4;
     const uint32_t sc_pick = c | (c + 2) << 4 | (c + 4) << 8 | (c + 6) << 12;  // scales l0 / 16 + {0, 2, 4, 6}
-    const float scale_byte = 8388608.f + 128.f;
     int nb = cols >> 8, b = lane >> 3;
     const uint8_t* blk[R];
 #pragma unroll
@@ -655,53 +710,12 @@ __device__ __forceinline__ void dot_q6_k_q8(const uint8_t* const* rows, int cols
 #pragma unroll
     for (int rr = 0; rr < R; rr++) acc[rr] = 0.f;
     auto load = [&](int step, Q6Loads* l) {
+        const uint8_t* p[R];
 #pragma unroll
-        for (int rr = 0; rr < R; rr++) {
-            const uint8_t* p = blk[rr] + step * 840;
-            const uint32_t* w = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(p) & ~(uintptr_t)3);
-            uint32_t shift = (uint32_t)(reinterpret_cast<uintptr_t>(p) & 2) * 8;
-            // (The third word only where the block starts 2 bytes past a word: for an aligned
-            // last block of a tensor, the scales' third word would lie past its end.)
-            auto eight = [&](int at, uint32_t* out2) {
-                uint32_t w0 = __ldg(w + at), w1 = __ldg(w + at + 1), w2 = shift ? __ldg(w + at + 2) : 0u;
-                out2[0] = __funnelshift_r(w0, w1, shift);
-                out2[1] = __funnelshift_r(w1, w2, shift);
-            };
-            eight(qa_w, l[rr].qa);
-            eight(qa_w + 8, l[rr].qb);
-            eight(qh_w, l[rr].qh);
-            eight(sc_w, l[rr].sc);
-            l[rr].d = half_at(p, 208);
-        }
+        for (int rr = 0; rr < R; rr++) p[rr] = blk[rr] + step * 840;
+        q6k_load_words<R>(p, qa_w, qh_w, sc_w, l);
     };
-    auto use = [&](int step, const Q6Loads* l) {
-        const int8_t* xp = xb + step * 1024;
-        const float* dp = db + step * 32;
-        int2 xw[4];
-        int start[4];
-        float dxj[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            xw[j] = *reinterpret_cast<const int2*>(xp + 32 * j);
-            start[j] = -32 * __dp4a(0x01010101, xw[j].y, __dp4a(0x01010101, xw[j].x, 0));
-            dxj[j] = dp[j];
-        }
-#pragma unroll
-        for (int rr = 0; rr < R; rr++) {
-            uint32_t q0[4], q1[4];
-            q6k_words(l[rr].qa[0], l[rr].qb[0], l[rr].qh[0], q0);
-            q6k_words(l[rr].qa[1], l[rr].qb[1], l[rr].qh[1], q1);
-            uint32_t sc = __byte_perm(l[rr].sc[0], l[rr].sc[1], sc_pick) ^ 0x80808080u;
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                int v = __dp4a((int)q1[j], xw[j].y, __dp4a((int)q0[j], xw[j].x, start[j]));  // |v| < 2^16
-                float f = __int_as_float(v + 0x4B400000) - 12582912.f;  // exact for |v| < 2^22
-                sum = fmaf(byte_float(sc, j, scale_byte) * dxj[j], f, sum);
-            }
-            acc[rr] = fmaf(l[rr].d, sum, acc[rr]);
-        }
-    };
+    auto use = [&](int step, const Q6Loads* l) { q6k_use<R>(l, xb + step * 1024, db + step * 32, sc_pick, acc); };
     auto advance = [&](int steps) {
 #pragma unroll
         for (int rr = 0; rr < R; rr++) blk[rr] += steps * 840;

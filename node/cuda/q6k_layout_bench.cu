@@ -1,7 +1,7 @@
 // q6k_layout_bench.cu — what an aligned Q6_K layout would be worth to the decode step's int8
-// matrix-vector product: the same kernel and arithmetic as decode.cu's `dot_q6_k_q8` (two rows a
-// warp, 8 warps a block, 3 blocks an SM), once over GGUF's 210-byte blocks, which are only 2-byte
-// aligned (each 8 bytes a lane reads come as two or three words and two funnel shifts), and once
+// matrix-vector product: decode.cu's `dot_q6_k_q8<2>` (two rows a warp, 8 warps a block, 3 blocks
+// an SM) over GGUF's 210-byte blocks, which are only 2-byte aligned (each 8 bytes a lane reads come
+// as two or three words and two funnel shifts), against the same walk and products (`q6k_use`)
 // over the same values split by field into four arrays (low nibbles, high bit pairs, scales, d),
 // where each lane's 8 bytes of a field are one 8-byte load. On the 7B's down (3,584 x 18,944, in 7
 // slices as the engine runs it) and LM head shapes, over enough copies that nothing stays in L2.
@@ -34,92 +34,36 @@ struct BenchArgs {
     float* out;        // gridDim.y x rows partial sums
 };
 
-// dot_q6_k_q8<2>'s walk with its loads taken from either layout; `use` is decode.cu's, verbatim.
-template <bool SPLIT>
-__device__ __forceinline__ void dot_q6_pair(const BenchArgs& a, int row, int b_first, int nb, const int8_t* x8, const float* dx, float* out) {
+// dot_q6_k_q8<2>'s walk over the split layout: one 8-byte load a field, the products `q6k_use`.
+__device__ __forceinline__ void dot_q6_pair_split(const BenchArgs& a, int row, int b_first, int nb, const int8_t* x8, const float* dx, float* out) {
     constexpr int R = 2;
     int lane = threadIdx.x & 31, sub = lane & 7, n = sub >> 2, l0 = (sub & 3) * 8, c = (sub & 3) >> 1;
-    const int qa_w = (64 * n + l0) / 4, qh_w = (128 + 32 * n + l0) / 4, sc_w = (192 + 8 * n) / 4;
     const uint32_t sc_pick = c | (c + 2) << 4 | (c + 4) << 8 | (c + 6) << 12;
-    const float scale_byte = 8388608.f + 128.f;
-    int row_blocks = a.cols >> 8, b = lane >> 3;
-    const uint8_t* blk[R];
-    size_t g[R];
+    int b = lane >> 3;
+    size_t g[R];  // the lane's block of each row, counted over the whole matrix
 #pragma unroll
-    for (int rr = 0; rr < R; rr++) {
-        g[rr] = (size_t)(row + rr) * row_blocks + b_first + b;
-        blk[rr] = a.w + g[rr] * 210;
-    }
-    const int8_t* xb = x8 + b * 256 + 128 * n + l0;
-    const float* db = dx + b * 8 + 4 * n;
+    for (int rr = 0; rr < R; rr++) g[rr] = (size_t)(row + rr) * (a.cols >> 8) + b_first + b;
     float acc[R] = {0.f, 0.f};
     auto load = [&](int step, Q6Loads* l) {
 #pragma unroll
         for (int rr = 0; rr < R; rr++) {
-            if (SPLIT) {
-                size_t gg = g[rr] + 4 * step;
-                uint2 qa = *reinterpret_cast<const uint2*>(a.s.ql + gg * 128 + 64 * n + l0);
-                uint2 qb = *reinterpret_cast<const uint2*>(a.s.ql + gg * 128 + 64 * n + l0 + 32);
-                uint2 qh = *reinterpret_cast<const uint2*>(a.s.qh + gg * 64 + 32 * n + l0);
-                uint2 sc = *reinterpret_cast<const uint2*>(a.s.sc + gg * 16 + 8 * n);
-                l[rr].qa[0] = qa.x, l[rr].qa[1] = qa.y, l[rr].qb[0] = qb.x, l[rr].qb[1] = qb.y;
-                l[rr].qh[0] = qh.x, l[rr].qh[1] = qh.y, l[rr].sc[0] = sc.x, l[rr].sc[1] = sc.y;
-                l[rr].d = __half2float(a.s.d[gg]);
-            } else {
-                const uint8_t* p = blk[rr] + step * 840;
-                const uint32_t* w = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(p) & ~(uintptr_t)3);
-                uint32_t shift = (uint32_t)(reinterpret_cast<uintptr_t>(p) & 2) * 8;
-                auto eight = [&](int at, uint32_t* out2) {
-                    uint32_t w0 = __ldg(w + at), w1 = __ldg(w + at + 1), w2 = shift ? __ldg(w + at + 2) : 0u;
-                    out2[0] = __funnelshift_r(w0, w1, shift);
-                    out2[1] = __funnelshift_r(w1, w2, shift);
-                };
-                eight(qa_w, l[rr].qa);
-                eight(qa_w + 8, l[rr].qb);
-                eight(qh_w, l[rr].qh);
-                eight(sc_w, l[rr].sc);
-                l[rr].d = half_at(p, 208);
-            }
+            size_t gg = g[rr] + 4 * step;
+            uint2 qa = *reinterpret_cast<const uint2*>(a.s.ql + gg * 128 + 64 * n + l0);
+            uint2 qb = *reinterpret_cast<const uint2*>(a.s.ql + gg * 128 + 64 * n + l0 + 32);
+            uint2 qh = *reinterpret_cast<const uint2*>(a.s.qh + gg * 64 + 32 * n + l0);
+            uint2 sc = *reinterpret_cast<const uint2*>(a.s.sc + gg * 16 + 8 * n);
+            l[rr].qa[0] = qa.x, l[rr].qa[1] = qa.y, l[rr].qb[0] = qb.x, l[rr].qb[1] = qb.y;
+            l[rr].qh[0] = qh.x, l[rr].qh[1] = qh.y, l[rr].sc[0] = sc.x, l[rr].sc[1] = sc.y;
+            l[rr].d = __half2float(a.s.d[gg]);
         }
     };
-    auto use = [&](int step, const Q6Loads* l) {
-        const int8_t* xp = xb + step * 1024;
-        const float* dp = db + step * 32;
-        int2 xw[4];
-        int start[4];
-        float dxj[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            xw[j] = *reinterpret_cast<const int2*>(xp + 32 * j);
-            start[j] = -32 * __dp4a(0x01010101, xw[j].y, __dp4a(0x01010101, xw[j].x, 0));
-            dxj[j] = dp[j];
-        }
-#pragma unroll
-        for (int rr = 0; rr < R; rr++) {
-            uint32_t q0[4], q1[4];
-            q6k_words(l[rr].qa[0], l[rr].qb[0], l[rr].qh[0], q0);
-            q6k_words(l[rr].qa[1], l[rr].qb[1], l[rr].qh[1], q1);
-            uint32_t sc = __byte_perm(l[rr].sc[0], l[rr].sc[1], sc_pick) ^ 0x80808080u;
-            float sum = 0.f;
-#pragma unroll
-            for (int j = 0; j < 4; j++) {
-                int v = __dp4a((int)q1[j], xw[j].y, __dp4a((int)q0[j], xw[j].x, start[j]));
-                float f = __int_as_float(v + 0x4B400000) - 12582912.f;
-                sum = fmaf(byte_float(sc, j, scale_byte) * dxj[j], f, sum);
-            }
-            acc[rr] = fmaf(l[rr].d, sum, acc[rr]);
-        }
-    };
+    auto use = [&](int step, const Q6Loads* l) { q6k_use<R>(l, x8 + (b + 4 * step) * 256 + 128 * n + l0, dx + (b + 4 * step) * 8 + 4 * n, sc_pick, acc); };
     auto advance = [&](int steps) {
-#pragma unroll
-        for (int rr = 0; rr < R; rr++) blk[rr] += steps * 840, g[rr] += 4 * steps;
-        xb += steps * 1024;
-        db += steps * 32;
-        b += steps * 4;
+        g[0] += 4 * steps, g[1] += 4 * steps;
+        b += 4 * steps;
     };
     two_steps_at_a_time<Q6Loads[R]>(b, nb, load, use, advance);
-#pragma unroll
-    for (int rr = 0; rr < R; rr++) out[rr] = warp_sum(acc[rr]);
+    out[0] = warp_sum(acc[0]), out[1] = warp_sum(acc[1]);
 }
 
 // Rows two a warp over a block column's slice; the slice's int8 input staged in shared memory.
@@ -135,7 +79,12 @@ __global__ void __launch_bounds__(256, 3) q6_rows(BenchArgs a) {
     int warps = blockDim.x >> 5, lane = threadIdx.x & 31;
     for (int r = 2 * (blockIdx.x * warps + (threadIdx.x >> 5)); r < a.rows; r += 2 * gridDim.x * warps) {
         float y[2];
-        dot_q6_pair<SPLIT>(a, r, k0 >> 8, kn >> 8, x8, dx, y);
+        if (SPLIT) {
+            dot_q6_pair_split(a, r, k0 >> 8, kn >> 8, x8, dx, y);
+        } else {  // the engine's own
+            const uint8_t* rows[2] = {row_at(a.w, FMT_Q6_K, r, a.cols, k0), row_at(a.w, FMT_Q6_K, r + 1, a.cols, k0)};
+            dot_q6_k_q8<2>(rows, kn, x8, dx, y);
+        }
         if (lane == 0) a.out[(size_t)blockIdx.y * a.rows + r] = y[0], a.out[(size_t)blockIdx.y * a.rows + r + 1] = y[1];
     }
 }
