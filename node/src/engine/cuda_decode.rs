@@ -185,7 +185,8 @@ struct Buffers {
     uploaded: usize,
 }
 
-/// Words of a step's arguments (`Buffers::step`) for `layers` layers.
+/// Words of a step's arguments (`Buffers::step`) for `layers` layers: the position, each
+/// layer's `KvSlot`, the tag, the token id and its address, then `Pick` (the last three).
 fn step_words(layers: usize) -> usize {
     1 + 3 * layers + 3 + 3
 }
@@ -388,6 +389,8 @@ pub struct FusedDecode {
     kinds: Vec<usize>,
     /// The LM head's launch picks greedy chained tokens itself (`Pick`).
     fused_pick: bool,
+    /// `SHOAL_FUSED_TRACE=2`: the trace prints every launch's line too.
+    trace_each_launch: bool,
     /// Launch with programmatic stream serialization (sm_90 on): a kernel's blocks may start
     /// while the previous kernel finishes (the kernels wait before reading its results).
     overlap: bool,
@@ -1409,7 +1412,13 @@ impl FusedDecode {
         // `SHOAL_FUSED_DECODE=0` turns the fused step off (a diagnostic).
         let enabled = std::env::var("SHOAL_FUSED_DECODE").map_or(true, |v| v != "0");
         let profile = std::env::var("SHOAL_FUSED_PROFILE").is_ok_and(|v| v == "1").then(|| Mutex::new((0, vec![std::time::Duration::ZERO; KIND_NAMES.len()])));
-        let trace = match std::env::var("SHOAL_FUSED_TRACE").is_ok_and(|v| v == "1" || v == "2") {
+        // `SHOAL_FUSED_TRACE=1`: the per-kind trace; `=2`: every launch's line too.
+        let trace_level = std::env::var("SHOAL_FUSED_TRACE").map_or(0, |v| match v.as_str() {
+            "1" => 1,
+            "2" => 2,
+            _ => 0,
+        });
+        let trace = match trace_level > 0 {
             true => {
                 let mut t = stream.alloc_zeros::<u64>(2 + 5 * TRACE_RECORDS).map_err(driver)?;
                 stream.memcpy_htod(&[0, TRACE_RECORDS as u64], &mut t.slice_mut(0..2)).map_err(driver)?;
@@ -1443,6 +1452,7 @@ impl FusedDecode {
             preload: tuned("PRELOAD", 1) != 0,
             kinds,
             fused_pick,
+            trace_each_launch: trace_level == 2,
             overlap,
             buffers: Mutex::new(Buffers { x: x_t, step, tag: 0, logits, graphs: Vec::new(), trace, uploads, uploaded: 0 }),
             _keep: p.keep,
@@ -1553,8 +1563,7 @@ impl FusedDecode {
                 let head = self.stream.clone_dtoh(&t.slice(0..1)).map_err(driver)?;
                 let n = (head[0] as usize).min(TRACE_RECORDS);
                 let records = self.stream.clone_dtoh(&t.slice(2..2 + 5 * n)).map_err(driver)?;
-                let each_launch = std::env::var("SHOAL_FUSED_TRACE").is_ok_and(|v| v == "2");
-                eprintln!("{}", trace_summary(&records, &self.kinds, each_launch));
+                eprintln!("{}", trace_summary(&records, &self.kinds, self.trace_each_launch));
             }
         }
         for lc in cache.layers.iter_mut() {
