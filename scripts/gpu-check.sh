@@ -33,7 +33,8 @@
 #                                   defaults: ab "q15-f16" "SHOAL_FUSED_PRELOAD=0;"
 #   scripts/gpu-check.sh trace MODEL...   the fused step's per-launch timeline (SHOAL_FUSED_TRACE=1;
 #                                   TRACE=2: every launch's line too)
-# Environment: SHOAL_BIN (default .gpu/shoal), DEVICE_CHECK (.gpu/device_check), TOKENIZER
+# Environment: SHOAL_BIN (default .gpu/shoal), DEVICE_CHECK (.gpu/device_check), PICK_CHECK
+# (.gpu/pick_check), TOKENIZER
 # (.gpu/tokenizer.json), WORK (/tmp/shoal-gpu: generated models, kept between stages), OUT,
 # DEVICE (ab and trace: cuda).
 set -uo pipefail
