@@ -284,8 +284,8 @@ struct HalfLoads {
     uint4 u[8];
 };
 
-// (HINT: `load_weight16`'s evict-first loads: the f16/bf16 instances, where it was measured; the
-// mixed-format ones load as before.)
+// (HINT: `load_weight16`'s evict-first loads: the f16 and bf16 instances (timed on f16 models;
+// bf16 rows load the same way); the mixed-format ones, which no model timed here runs, as before.)
 template <int R, bool HINT = false>
 __device__ __forceinline__ void half_load(const uint8_t* const* rows, int cols, int base, HalfLoads& l) {
     int lane = threadIdx.x & 31;
