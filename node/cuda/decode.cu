@@ -233,18 +233,15 @@ __device__ float block_sum(float v, float* scratch) {
 }
 
 // A 16-byte load of f16/bf16 weight rows, which a step reads once and not again until the
-// next step, after every other weight: marked evict-first in L2 (`SHOAL_WEIGHT_EVICT_FIRST`, 1
-// by default), so that they push out each other rather than what the launches hand each other
-// (tagged outputs, the residual) or the KV cache, and not kept in L1. H200s, four calls
+// next step, after every other weight: marked evict-first in L2, so that they push out each
+// other rather than what the launches hand each other (tagged outputs, the residual) or the KV
+// cache, and not kept in L1. H200s, four calls
 // (session 55): 1.5B f16 892.3 -> 905.1 tok/s on average (+1.4%; faster in each of 11 rounds),
 // 7B f16 274.0 -> 276.0 (+0.7%; 9 of 9). Q4_K and Q6_K rows load as they did: the same hint
 // there made the 7B Q4_K_M 3.4% slower and the 1.5B 1.5% (and without L1, Q6_K's 2-byte-aligned
 // words, three loads a sector, took the 7B's LM head 2.6 times as long).
-#ifndef SHOAL_WEIGHT_EVICT_FIRST
-#define SHOAL_WEIGHT_EVICT_FIRST 1
-#endif
 __device__ __forceinline__ uint4 load_weight16(const void* at) {
-#if SHOAL_WEIGHT_EVICT_FIRST && __CUDA_ARCH__ >= 800
+#if __CUDA_ARCH__ >= 800
     unsigned long long policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     uint4 v;
