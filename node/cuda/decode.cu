@@ -1376,6 +1376,36 @@ __device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols
     for (int rr = 0; rr < R; rr++) out[rr] = warp_sum(acc[rr]);
 }
 
+// gate's row and up's row of a ring slot, which lie as one run of 2·nb blocks, walked as one row
+// of 2·nb blocks, two steps at a time (block i < nb into gate's sum, the others into up's): where
+// nb is not a multiple of 4 (the 1.5B's 6), no lane idles through a row's last step (6 blocks a
+// row took two steps of 4 for each of the two rows; 12 take three). Each block's product is the
+// one `dot_q4_k_q8` adds; up's blocks fall to other lanes, so up's sum may differ from it in the
+// last bits. Where nb is a multiple of 4 it saves no step and was slower (`mv_gated_q4_k_ring_2_run`
+// has the figures), and so was the 3-stage ring walked this way, one step at a time or two (7B
+// Q4_K_M 518.5 -> 505.1 and 518.3 -> 497.4 tok/s, three rounds each).
+__device__ __forceinline__ void dot_q4_k_q8_pair_run(const uint8_t* run, int cols, const int8_t* x8, const float* dx, const float* xsum, float* out) {
+    const Q4Lane ln = q4k_lane();
+    int nb = cols >> 8, b = (threadIdx.x & 31) >> 3;
+    float gate = 0.f, up_sum = 0.f;
+    auto load = [&](int step, Q4Loads& l) {
+        const uint8_t* at = run + (size_t)(b + 4 * step) * 144;
+        q4k_load<1>(ln, &at, l);
+    };
+    auto use = [&](int step, const Q4Loads& l) {
+        int i = b + 4 * step;
+        bool up = i >= nb;
+        int bx = up ? i - nb : i;
+        float v = 0.f;
+        q4k_use<1>(ln, l, x8 + bx * 256 + ln.xoff, dx + bx * 8 + ln.dxoff, xsum + bx * 16 + ln.soff, &v);
+        if (up) up_sum += v;
+        else gate += v;
+    };
+    two_steps_at_a_time<Q4Loads>(b, 2 * nb, load, use, [&](int steps) { b += 4 * steps; });
+    out[0] = warp_sum(gate);
+    out[1] = warp_sum(up_sum);
+}
+
 // The ring kernel's shared memory: the input as int8 (`cols` bytes), its scales (cols / 32
 // f32) and sums of 16 (cols / 16 f32), then the ring: `stages` slots, each one gate/up row pair
 // per warp (slot-major: a slot of every warp is contiguous).
@@ -1392,7 +1422,7 @@ __host__ __device__ __forceinline__ size_t q4k_ring_smem(int cols, int warps, in
 // block-wide hand-off: a warp waits only for its own copies. TWO_STEPS: a row's blocks are read
 // from shared memory two steps at a time (`two_steps_at_a_time`), both steps' loads in flight
 // together, rather than one (see `mv_gated_q4_k_ring_2`).
-template <int STAGES, bool TWO_STEPS = false>
+template <int STAGES, bool TWO_STEPS = false, bool PAIR_RUN = false>
 __device__ void q4k_gated_ring(const MvArgs& a, uint8_t* smem) {
     int lane = threadIdx.x & 31, warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
     int cols = a.cols, rows = a.seg[0].rows;
@@ -1433,9 +1463,13 @@ __device__ void q4k_gated_ring(const MvArgs& a, uint8_t* smem) {
         cp_async_wait<STAGES - 1>();  // row i's copies have landed
         __syncwarp();
         const uint8_t* slot = slot_of(i % STAGES);
-        const uint8_t* pair[2] = {slot, slot + rb};
         float gu[2];
-        dot_q4_k_q8<2, !TWO_STEPS>(pair, cols, x8, dx, xsum, gu);
+        if (PAIR_RUN) {
+            dot_q4_k_q8_pair_run(slot, cols, x8, dx, xsum, gu);
+        } else {
+            const uint8_t* pair[2] = {slot, slot + rb};
+            dot_q4_k_q8<2, !TWO_STEPS>(pair, cols, x8, dx, xsum, gu);
+        }
         if (lane == 0) {
             float gv = gu[0] + (a.seg[0].bias ? a.seg[0].bias[r] : 0.f), uv = gu[1] + (a.seg[1].bias ? a.seg[1].bias[r] : 0.f);
             store_out(a, r, (a.mode == MODE_SILU ? silu(gv) : gelu_tanh(gv)) * uv, in.tag);
@@ -1532,6 +1566,17 @@ extern "C" __global__ void __launch_bounds__(256, 4) mv_gated_q4_k_ring(MvArgs a
 extern "C" __global__ void __launch_bounds__(256, 4) mv_gated_q4_k_ring_2(MvArgs a) {
     extern __shared__ float4 ring_smem4[];
     q4k_gated_ring<2, true>(a, reinterpret_cast<uint8_t*>(ring_smem4));
+}
+
+// The same where a row's blocks are not a whole number of steps (cols not a multiple of 1,024):
+// each slot's gate/up rows walked as one run (`dot_q4_k_q8_pair_run`). H200s, alternating rounds
+// against `mv_gated_q4_k_ring_2` (session 56): 1.5B Q4_K_M (6 blocks a row) 1,127.9 -> 1,137.2
+// tok/s on average over twelve rounds in three calls (+0.8%, faster in 11), its gate/up
+// 10.58-10.70 -> 10.05-10.06 µs a layer in traces (tail 2.63-2.80 -> 2.31-2.33); but with whole
+// steps slower: 3B (8 blocks) 769.1 -> 750.1, Llama-3-8B shape (16) 490.0 -> 474.6, three rounds each.
+extern "C" __global__ void __launch_bounds__(256, 4) mv_gated_q4_k_ring_2_run(MvArgs a) {
+    extern __shared__ float4 ring_smem4[];
+    q4k_gated_ring<2, true, true>(a, reinterpret_cast<uint8_t*>(ring_smem4));
 }
 
 // The first shard's input: row `**token_at` of the embedding table (rows `cols` wide in `fmt`,
