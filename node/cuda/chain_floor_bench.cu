@@ -7,7 +7,7 @@
 // wait inside); then the same N phases inside one persistent cooperative kernel between
 // grid-wide barriers (a counter and a spin: what a megakernel would pay per hand-off instead).
 // Prints µs per hand-off and what N of them make a step. Built by scripts/build-cuda.sh; run on
-// the GPU machine. Not a test: it asserts nothing beyond the vectors agreeing between modes.
+// the GPU machine. Not a test: it asserts nothing (it reports whether the modes' last vectors agree).
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
@@ -69,11 +69,10 @@ int main(int argc, char** argv) {
     CK(cudaGetDeviceProperties(&prop, 0));
     int sms = prop.multiProcessorCount;
     printf("%s, %d SMs; chains of %d dependent hand-offs, %d replays each, no weights\n", prop.name, sms, chain, reps);
-    float *a, *b, *ref;
+    float *a, *b;
     unsigned* counter;
     CK(cudaMalloc(&a, 8192 * 4));
     CK(cudaMalloc(&b, 8192 * 4));
-    CK(cudaMalloc(&ref, 8192 * 4));
     CK(cudaMalloc(&counter, 4));
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
