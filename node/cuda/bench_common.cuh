@@ -1,5 +1,5 @@
 // bench_common.cuh — what the standalone kernel harnesses (mv_bench.cu, attend_bench.cu,
-// pick_check.cu, q6k_layout_bench.cu) share: a CUDA call checked, the step tags launches read, a launch that may overlap
+// pick_check.cu, q6k_layout_bench.cu, chain_floor_bench.cu) share: a CUDA call checked, the step tags launches read, a launch that may overlap
 // the previous kernel (as the engine's), the mean time of a launch, a checksum of a device buffer
 // that builds can be compared by, and random weights in each format. Included after decode.cu (its formats and `fmt_bytes`). Nothing else: each harness sets
 // up its own shapes and arguments.
@@ -46,11 +46,12 @@ double us_per_launch(Launch launch, int copies, int iters) {
 // One launch as the engine makes it on Hopper: allowed to start while the previous kernel
 // finishes (programmatic stream serialization).
 template <typename Args>
-inline void launch_overlapping(void (*kernel)(Args), dim3 grid, dim3 block, size_t smem, Args a) {
+inline void launch_overlapping(void (*kernel)(Args), dim3 grid, dim3 block, size_t smem, Args a, cudaStream_t stream = 0) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
     cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;

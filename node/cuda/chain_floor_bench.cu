@@ -3,46 +3,42 @@
 // which every block waits for the launch before, reads the whole vector it wrote (n f32 values,
 // as every `mv` block stages its whole input), sums it, and writes its share of the next vector.
 // Timed as one CUDA graph per chain, in plain stream order and with programmatic dependent launch
-// (the engine's `griddepcontrol`: a launch's blocks may start beside the previous launch's and
-// wait inside); then the same N phases inside one persistent cooperative kernel between
-// grid-wide barriers (a counter and a spin: what a megakernel would pay per hand-off instead).
-// Prints µs per hand-off and what N of them make a step. Built by scripts/build-cuda.sh; run on
-// the GPU machine. Not a test: it asserts nothing (it reports whether the modes' last vectors agree).
+// (the engine's `allow_next_kernel` / `wait_for_previous_kernel`: a launch's blocks may start
+// beside the previous launch's and wait inside); then the same N phases inside one persistent
+// cooperative kernel between grid-wide barriers (a counter and a spin: what a megakernel would pay
+// per hand-off instead). Prints µs per hand-off and what N of them make a step. Built by
+// scripts/build-cuda.sh; run on the GPU machine. Not a test: it asserts nothing (it reports
+// whether the modes' last vectors agree).
+#include "decode.cu"
+#include "bench_common.cuh"
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
-#include <cuda_runtime.h>
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1); } } while (0)
 
-__device__ __forceinline__ float block_sum(float v) {
-    __shared__ float part[32];
-    for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(~0u, v, o);
-    __syncthreads();  // `part` may still be read from the previous call
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-    __syncthreads();
-    float s = 0.f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); w++) s += part[w];
-    return s;
-}
+struct HopArgs {
+    const float* in;
+    float* out;
+    int n;
+};
 
 // One hand-off's work: the whole of `in` summed, this block's share of `out` written from it.
 __device__ __forceinline__ void hop_body(const float* in, float* out, int n) {
+    __shared__ float scratch[32];
     float s = 0.f;
     for (int j = threadIdx.x; j < n / 4; j += blockDim.x) {
         float4 v = reinterpret_cast<const float4*>(in)[j];
         s += v.x + v.y + v.z + v.w;
     }
-    s = block_sum(s);
+    s = block_sum(s, scratch);
     int per = (n + gridDim.x - 1) / gridDim.x, lo = blockIdx.x * per, hi = min(n, lo + per);
     for (int j = lo + threadIdx.x; j < hi; j += blockDim.x) out[j] = s * (1.f / 65536.f) + (float)(j & 7);
 }
 
-__global__ void hop(const float* in, float* out, int n, int pdl) {
-    if (pdl) {
-        asm volatile("griddepcontrol.launch_dependents;");
-        asm volatile("griddepcontrol.wait;" ::: "memory");
-    }
-    hop_body(in, out, n);
+// Without the launch attribute the wait returns at once: the kernel serves both graph forms.
+__global__ void hop(HopArgs a) {
+    allow_next_kernel();
+    wait_for_previous_kernel();
+    hop_body(a.in, a.out, a.n);
 }
 
 // All N phases in one launch of co-resident blocks; between phases every block counts itself in
@@ -90,23 +86,14 @@ int main(int argc, char** argv) {
                 CK(cudaMemset(counter, 0, 4));
                 float ms = 0.f;
                 if (mode < 2) {
-                    // The chain captured once as a graph; `pdl` launches carry the attribute.
+                    // The chain captured once as a graph; mode 1's launches after the first overlap.
                     cudaGraph_t g;
                     cudaGraphExec_t ge;
                     CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
                     for (int i = 0; i < chain; i++) {
-                        cudaLaunchConfig_t cfg = {};
-                        cfg.gridDim = dim3(grid);
-                        cfg.blockDim = dim3(sh.threads);
-                        cfg.stream = st;
-                        cudaLaunchAttribute attr[1];
-                        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-                        attr[0].val.programmaticStreamSerializationAllowed = 1;
-                        cfg.attrs = attr;
-                        cfg.numAttrs = mode == 1 && i > 0 ? 1 : 0;
-                        const float* in = i & 1 ? b : a;
-                        float* out = i & 1 ? a : b;
-                        CK(cudaLaunchKernelEx(&cfg, hop, in, out, n, mode));
+                        HopArgs args{i & 1 ? b : a, i & 1 ? a : b, n};
+                        if (mode == 1 && i > 0) launch_overlapping(hop, dim3(grid), dim3(sh.threads), 0, args, st);
+                        else hop<<<grid, sh.threads, 0, st>>>(args);
                     }
                     CK(cudaStreamEndCapture(st, &g));
                     CK(cudaGraphInstantiate(&ge, g, 0));

@@ -239,7 +239,8 @@ __device__ float block_sum(float v, float* scratch) {
 // (session 55): 1.5B f16 892.3 -> 905.1 tok/s on average (+1.4%; faster in each of 11 rounds),
 // 7B f16 274.0 -> 276.0 (+0.7%; 9 of 9). Q4_K and Q6_K rows load as they did: the same hint
 // there made the 7B Q4_K_M 3.4% slower and the 1.5B 1.5% (and without L1, Q6_K's 2-byte-aligned
-// words, three loads a sector, took the 7B's LM head 2.6 times as long).
+// words, three loads a sector, took the 7B's LM head 2.6 times as long); evict-first with L1 kept,
+// 0.7% and 0.6% slower (session 56).
 __device__ __forceinline__ uint4 load_weight16(const void* at) {
 #if __CUDA_ARCH__ >= 800
     unsigned long long policy;
