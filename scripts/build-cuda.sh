@@ -9,7 +9,8 @@
 #   .gpu/q6k_layout_bench (node/cuda/q6k_layout_bench.cu: Q6_K rows, GGUF's layout against an aligned one),
 #   .gpu/attend_bench (node/cuda/attend_bench.cu: long-context attention alone),
 #   .gpu/residual_read_probe (node/cuda/residual_read_probe.cu: every block reading the residual) and
-#   .gpu/chain_floor_bench (node/cuda/chain_floor_bench.cu: dependent launches with no weights).
+#   .gpu/chain_floor_bench (node/cuda/chain_floor_bench.cu: dependent launches with no weights, and
+#   streaming a real model's bytes with nothing computed: `chain_floor_bench models`).
 #
 # What it does (the recipe measured in ../shared/GPU.md):
 #   * pip-downloads the CUDA 13.0 wheels (nvcc, nvvm, crt, runtime, cccl, nvrtc, cublas, curand)
@@ -93,7 +94,8 @@ nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/q6k_layout_bench" "$here/node/c
 nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/attend_bench" "$here/node/cuda/attend_bench.cu" >&2
 # Every block reading the residual: time per block, one copy or several (.gpu/residual_read_probe).
 nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/residual_read_probe" "$here/node/cuda/residual_read_probe.cu" >&2
-# The floor a step's 141 dependent launches set with no weights, per hand-off (.gpu/chain_floor_bench).
+# The floor a step's 141 dependent launches set, per hand-off with no weights and per step with a
+# model's bytes (.gpu/chain_floor_bench [models]).
 nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/chain_floor_bench" "$here/node/cuda/chain_floor_bench.cu" >&2
 tok="${SHOAL_MODEL_CACHE:-$HOME/.cache/shoal/models}/qwen2.5-coder-1.5b/tokenizer.json"
 [[ -f $tok ]] && cp "$tok" "$here/.gpu/tokenizer.json"

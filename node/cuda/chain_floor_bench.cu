@@ -1,19 +1,26 @@
-// chain_floor_bench.cu — the floor that a decode step's chain of dependent launches sets, with no
-// weights at all: N launches (141 by default: a 28-layer step's five a layer and its LM head) in
-// which every block waits for the launch before, reads the whole vector it wrote (n f32 values,
-// as every `mv` block stages its whole input), sums it, and writes its share of the next vector.
-// Timed as one CUDA graph per chain, in plain stream order and with programmatic dependent launch
-// (the engine's `allow_next_kernel` / `wait_for_previous_kernel`: a launch's blocks may start
-// beside the previous launch's and wait inside); then the same N phases inside one persistent
-// cooperative kernel between grid-wide barriers (a counter and a spin: what a megakernel would pay
-// per hand-off instead). Prints µs per hand-off and what N of them make a step. Built by
-// scripts/build-cuda.sh; run on the GPU machine. Not a test: it asserts nothing (it reports
-// whether the modes' last vectors agree).
+// chain_floor_bench.cu — the floor that a decode step's chain of dependent launches sets. With no
+// weights (`chain_floor_bench [N]`): N launches (141 by default: a 28-layer step's five a layer and
+// its LM head) in which every block waits for the launch before, reads the whole vector it wrote
+// (n f32 values, as every `mv` block stages its whole input), sums it, and writes its share of the
+// next vector. Timed as one CUDA graph per chain, in plain stream order and with programmatic
+// dependent launch (the engine's `allow_next_kernel` / `wait_for_previous_kernel`: a launch's
+// blocks may start beside the previous launch's and wait inside); then the same N phases inside
+// one persistent cooperative kernel between grid-wide barriers (a counter and a spin: what a
+// megakernel would pay per hand-off instead). Prints µs per hand-off and what N of them make a step.
+// With weights (`chain_floor_bench models`): the same chain, each launch also streaming the bytes
+// its engine launch reads in a decode step of a real model (Qwen2.5-1.5B / 7B in f16 and Q4_K_M:
+// q/k/v, attention's KV cache at 128 positions, o, gate/up, down, then the LM head), with nothing
+// computed from them: the fastest a step of that chain could be, printed as tok/s and as the
+// roofline fraction `shoal bench` would print (bytes read over the device copy rate, measured as
+// shoal measures it). Built by scripts/build-cuda.sh; run on the GPU machine. Not a test: it
+// asserts nothing (it reports whether the modes' last vectors agree).
 #include "decode.cu"
 #include "bench_common.cuh"
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
+#include <cstring>
+#include <algorithm>
 
 struct HopArgs {
     const float* in;
@@ -59,19 +66,213 @@ __global__ void persistent(float* a, float* b, int n, int phases, unsigned* coun
     }
 }
 
+// A hand-off that also streams `lines` 16-byte words of weights (a grid-strided share a thread,
+// eight loads in flight at a time), combined into nothing but a guard store, so the loads stay.
+// With `early`, each thread's first eight words go out before the wait (as the engine's launches
+// load their first rows there).
+struct WeightHopArgs {
+    const float* in;
+    float* out;
+    int n;
+    const uint4* w;
+    long long lines;
+    int early;
+};
+
+__device__ __forceinline__ uint4 load_streaming(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+constexpr int IN_FLIGHT = 8;
+
+// Eight words from i on (stride apart), zero past the end; their xor.
+__device__ __forceinline__ void load_eight(const uint4* w, long long i, long long stride, long long lines, uint4 (&v)[IN_FLIGHT]) {
+#pragma unroll
+    for (int k = 0; k < IN_FLIGHT; k++) v[k] = i + k * stride < lines ? load_streaming(w + i + k * stride) : make_uint4(0, 0, 0, 0);
+}
+
+__device__ __forceinline__ unsigned fold(const uint4 (&v)[IN_FLIGHT]) {
+    unsigned acc = 0;
+#pragma unroll
+    for (int k = 0; k < IN_FLIGHT; k++) acc ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
+    return acc;
+}
+
+__global__ void weight_hop(WeightHopArgs a) {
+    allow_next_kernel();
+    long long stride = (long long)gridDim.x * blockDim.x, i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    uint4 v[IN_FLIGHT];
+    if (a.early) load_eight(a.w, i, stride, a.lines, v);
+    wait_for_previous_kernel();
+    unsigned acc = 0;
+    if (a.early) {
+        acc = fold(v);
+        i += IN_FLIGHT * stride;
+    }
+    for (; i < a.lines; i += IN_FLIGHT * stride) {
+        load_eight(a.w, i, stride, a.lines, v);
+        acc ^= fold(v);
+    }
+    hop_body(a.in, a.out, a.n);
+    if (acc == 0x9e3779b9u) a.out[a.n] = 1.f;  // (a spare word past the vector: never read)
+}
+
+// The bytes each launch of a decode step reads, for a Qwen2.5-shaped model (28 layers) in f16 or
+// Q4_K_M (llama.cpp's mix: v and down Q6_K in 14 of the 28 layers, the LM head Q6_K).
+struct ModelShape {
+    const char* name;
+    int hidden, kv_dim, ffn;
+    long long vocab;
+    bool q4km;
+};
+
+std::vector<size_t> step_bytes(const ModelShape& m, int context) {
+    const int layers = 28;
+    auto bytes = [](int fmt, long long rows, long long cols) { return fmt_bytes(fmt, (size_t)(rows * cols)); };
+    std::vector<size_t> hops;
+    for (int l = 0; l < layers; l++) {
+        bool more_bits = l < layers / 8 || l >= 7 * layers / 8 || (l - layers / 8) % 3 == 2;
+        int q = m.q4km ? FMT_Q4_K : FMT_F16, q6 = m.q4km ? (more_bits ? FMT_Q6_K : FMT_Q4_K) : FMT_F16;
+        hops.push_back(bytes(q, m.hidden + m.kv_dim, m.hidden) + bytes(q6, m.kv_dim, m.hidden));  // q/k/v
+        hops.push_back((size_t)2 * m.kv_dim * 2 * context);                                     // attention: K and V, f16
+        hops.push_back(bytes(q, m.hidden, m.hidden));                                          // o
+        hops.push_back(bytes(q, 2LL * m.ffn, m.hidden));                                       // gate/up
+        hops.push_back(bytes(q6, m.hidden, m.ffn));                                            // down
+    }
+    hops.push_back(bytes(m.q4km ? FMT_Q6_K : FMT_F16, m.vocab, m.hidden));                     // LM head
+    return hops;
+}
+
+// The device copy rate as shoal's bench counts it (`probe::gpu_copy_bandwidth`): bytes read plus
+// bytes written by device-to-device copies of 1 GiB, the best of the passes.
+double copy_rate(cudaStream_t st) {
+    size_t bytes = 1ull << 30;
+    void *src, *dst;
+    CK(cudaMalloc(&src, bytes));
+    CK(cudaMalloc(&dst, bytes));
+    CK(cudaMemsetAsync(src, 0, bytes, st));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    double best = 0;
+    for (int pass = 0; pass < 20; pass++) {
+        CK(cudaEventRecord(e0, st));
+        for (int k = 0; k < 4; k++) CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, st));
+        CK(cudaEventRecord(e1, st));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        best = std::max(best, 8.0 * bytes / (ms * 1e-3));
+    }
+    CK(cudaFree(src));
+    CK(cudaFree(dst));
+    return best;
+}
+
+int models(cudaStream_t st, int sms) {
+    const int context = 128, reps = 20;
+    double rate = copy_rate(st);
+    printf("copy rate %.0f GB/s (read + written); chains with weights, KV cache at %d positions, %d replays\n", rate / 1e9, context, reps);
+    const ModelShape shapes[] = {
+        {"1.5B f16", 1536, 256, 8960, 151936, false},
+        {"1.5B Q4_K_M", 1536, 256, 8960, 151936, true},
+        {"7B f16", 3584, 512, 18944, 152064, false},
+        {"7B Q4_K_M", 3584, 512, 18944, 152064, true},
+    };
+    float *a, *b;
+    CK(cudaMalloc(&a, 8192 * 4));
+    CK(cudaMalloc(&b, 8192 * 4));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    for (const ModelShape& m : shapes) {
+        std::vector<size_t> hops = step_bytes(m, context);
+        size_t total = 0;
+        for (size_t h : hops) total += (h + 255) / 256 * 256;
+        uint8_t* w;
+        CK(cudaMalloc(&w, total));
+        CK(cudaMemsetAsync(w, 1, total, st));
+        // One launch streaming all of it: what a read-only kernel reaches without hand-offs.
+        {
+            WeightHopArgs args{a, b, m.hidden, reinterpret_cast<const uint4*>(w), (long long)(total / 16), 0};
+            for (int k = 0; k < 3; k++) weight_hop<<<sms * 2, 512, 0, st>>>(args);
+            CK(cudaEventRecord(e0, st));
+            for (int r = 0; r < reps; r++) weight_hop<<<sms * 2, 512, 0, st>>>(args);
+            CK(cudaEventRecord(e1, st));
+            CK(cudaEventSynchronize(e1));
+            float ms = 0;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            double us = ms * 1000.0 / reps;
+            printf("%-12s %6.0f MB in %zu launches; one launch reading it all: %7.1f us (%.2f of the copy rate)\n", m.name, total / 1e6,
+                   hops.size(), us, total / (us * 1e-6) / rate);
+        }
+        // The chain as a graph of programmatic launches; `skip`: the launches of one kind (the
+        // k-th of each layer's five; 5: all of them) read no weights, so what their bytes cost shows.
+        auto step_us = [&](int blocks_per_sm, int early, int skip) {
+            cudaGraph_t g;
+            cudaGraphExec_t ge;
+            CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+            size_t at = 0;
+            for (size_t i = 0; i < hops.size(); i++) {
+                bool skipped = i + 1 < hops.size() && (skip == 5 || (int)(i % 5) == skip);
+                WeightHopArgs args{i & 1 ? b : a, i & 1 ? a : b, m.hidden, reinterpret_cast<const uint4*>(w + at),
+                                   skipped ? 0 : (long long)(hops[i] / 16), early};
+                at += (hops[i] + 255) / 256 * 256;
+                if (i > 0) launch_overlapping(weight_hop, dim3(sms * blocks_per_sm), dim3(512), 0, args, st);
+                else weight_hop<<<sms * blocks_per_sm, 512, 0, st>>>(args);
+            }
+            CK(cudaStreamEndCapture(st, &g));
+            CK(cudaGraphInstantiate(&ge, g, 0));
+            for (int k = 0; k < 3; k++) CK(cudaGraphLaunch(ge, st));
+            CK(cudaEventRecord(e0, st));
+            for (int r = 0; r < reps; r++) CK(cudaGraphLaunch(ge, st));
+            CK(cudaEventRecord(e1, st));
+            CK(cudaEventSynchronize(e1));
+            float ms = 0;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            CK(cudaGraphExecDestroy(ge));
+            CK(cudaGraphDestroy(g));
+            return ms * 1000.0 / reps;
+        };
+        double best = 1e30;
+        int best_blocks = 0;
+        for (int blocks_per_sm : {1, 2}) {
+            for (int early = 0; early < 2; early++) {
+                double us = step_us(blocks_per_sm, early, -1);
+                if (early && us < best) best = us, best_blocks = blocks_per_sm;
+                printf("%-12s chain, %3d blocks of 512, programmatic, first words %s the wait: %7.1f us a step, %6.1f tok/s, roofline %.2f\n",
+                       m.name, sms * blocks_per_sm, early ? "before" : "after ", us, 1e6 / us, total / (us * 1e-6) / rate);
+            }
+        }
+        const char* kinds[5] = {"q/k/v", "attention", "o", "gate/up", "down"};
+        printf("%-12s what each launch's bytes add to that best chain, a layer:", m.name);
+        for (int k = 0; k < 5; k++) printf(" %s %.2f us,", kinds[k], (best - step_us(best_blocks, 1, k)) / 28);
+        printf(" the rest (hand-offs, LM head) %.1f us a step\n", step_us(best_blocks, 1, 5));
+        CK(cudaFree(w));
+    }
+    return 0;
+}
+
 int main(int argc, char** argv) {
     int chain = argc > 1 ? atoi(argv[1]) : 141, reps = 50;
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     int sms = prop.multiProcessorCount;
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    if (argc > 1 && !strcmp(argv[1], "models")) {
+        printf("%s, %d SMs\n", prop.name, sms);
+        return models(st, sms);
+    }
     printf("%s, %d SMs; chains of %d dependent hand-offs, %d replays each, no weights\n", prop.name, sms, chain, reps);
     float *a, *b;
     unsigned* counter;
     CK(cudaMalloc(&a, 8192 * 4));
     CK(cudaMalloc(&b, 8192 * 4));
     CK(cudaMalloc(&counter, 4));
-    cudaStream_t st;
-    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
