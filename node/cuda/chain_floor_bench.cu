@@ -88,12 +88,13 @@ __device__ __forceinline__ uint4 load_streaming(const uint4* p) {
 
 constexpr int IN_FLIGHT = 8;
 
-// Eight words from i on (stride apart), zero past the end; their xor.
+// Eight words from i on, `stride` apart (zeros past the end).
 __device__ __forceinline__ void load_eight(const uint4* w, long long i, long long stride, long long lines, uint4 (&v)[IN_FLIGHT]) {
 #pragma unroll
     for (int k = 0; k < IN_FLIGHT; k++) v[k] = i + k * stride < lines ? load_streaming(w + i + k * stride) : make_uint4(0, 0, 0, 0);
 }
 
+// Their xor.
 __device__ __forceinline__ unsigned fold(const uint4 (&v)[IN_FLIGHT]) {
     unsigned acc = 0;
 #pragma unroll
