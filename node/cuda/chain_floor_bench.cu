@@ -66,6 +66,27 @@ __global__ void persistent(float* a, float* b, int n, int phases, unsigned* coun
     }
 }
 
+// µs a replay of the captured chain `g` (`warm` replays first, then `reps` timed); destroys it.
+double replay_us(cudaStream_t st, cudaGraph_t g, int warm, int reps) {
+    cudaGraphExec_t ge;
+    cudaEvent_t e0, e1;
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    for (int k = 0; k < warm; k++) CK(cudaGraphLaunch(ge, st));
+    CK(cudaEventRecord(e0, st));
+    for (int r = 0; r < reps; r++) CK(cudaGraphLaunch(ge, st));
+    CK(cudaEventRecord(e1, st));
+    CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    CK(cudaEventDestroy(e0));
+    CK(cudaEventDestroy(e1));
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+    return ms * 1000.0 / reps;
+}
+
 // A hand-off that also streams `lines` 16-byte words of weights (a grid-strided share a thread,
 // eight loads in flight at a time), combined into nothing but a guard store, so the loads stay.
 // With `early`, each thread's first eight words go out before the wait (as the engine's launches
@@ -214,7 +235,6 @@ int models(cudaStream_t st, int sms) {
         // k-th of each layer's five; 5: all of them) read no weights, so what their bytes cost shows.
         auto step_us = [&](int blocks_per_sm, int early, int skip) {
             cudaGraph_t g;
-            cudaGraphExec_t ge;
             CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
             size_t at = 0;
             for (size_t i = 0; i < hops.size(); i++) {
@@ -226,17 +246,7 @@ int models(cudaStream_t st, int sms) {
                 else weight_hop<<<sms * blocks_per_sm, 512, 0, st>>>(args);
             }
             CK(cudaStreamEndCapture(st, &g));
-            CK(cudaGraphInstantiate(&ge, g, 0));
-            for (int k = 0; k < 3; k++) CK(cudaGraphLaunch(ge, st));
-            CK(cudaEventRecord(e0, st));
-            for (int r = 0; r < reps; r++) CK(cudaGraphLaunch(ge, st));
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float ms = 0;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            CK(cudaGraphExecDestroy(ge));
-            CK(cudaGraphDestroy(g));
-            return ms * 1000.0 / reps;
+            return replay_us(st, g, 3, reps);
         };
         double best = 1e30;
         int best_blocks = 0;
@@ -290,7 +300,6 @@ int main(int argc, char** argv) {
                 if (mode < 2) {
                     // The chain captured once as a graph; mode 1's launches after the first overlap.
                     cudaGraph_t g;
-                    cudaGraphExec_t ge;
                     CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
                     for (int i = 0; i < chain; i++) {
                         HopArgs args{i & 1 ? b : a, i & 1 ? a : b, n};
@@ -298,15 +307,7 @@ int main(int argc, char** argv) {
                         else hop<<<grid, sh.threads, 0, st>>>(args);
                     }
                     CK(cudaStreamEndCapture(st, &g));
-                    CK(cudaGraphInstantiate(&ge, g, 0));
-                    for (int w = 0; w < 5; w++) CK(cudaGraphLaunch(ge, st));
-                    CK(cudaEventRecord(e0, st));
-                    for (int r = 0; r < reps; r++) CK(cudaGraphLaunch(ge, st));
-                    CK(cudaEventRecord(e1, st));
-                    CK(cudaEventSynchronize(e1));
-                    CK(cudaEventElapsedTime(&ms, e0, e1));
-                    CK(cudaGraphExecDestroy(ge));
-                    CK(cudaGraphDestroy(g));
+                    ms = (float)(replay_us(st, g, 5, reps) * reps / 1000.0);
                 } else {
                     int fit = 0;
                     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, persistent, sh.threads, 0));
