@@ -1747,6 +1747,11 @@ __device__ __forceinline__ void cache_store(void* c, int fmt, size_t i, float v)
 
 // Eight consecutive cached values from index i (a multiple of 8) as f32: one 16-byte load for
 // f16/bf16, two for f32.
+// A half (f16 / bf16) cache's 8 values from i on, as they are stored.
+__device__ __forceinline__ uint4 cache_load8_half(const void* c, size_t i) {
+    return *reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(c) + i);
+}
+
 __device__ __forceinline__ void cache_load8(const void* c, int fmt, size_t i, float* v) {
     if (fmt == FMT_F32) {
         const float4* p = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(c) + i);
@@ -1755,7 +1760,7 @@ __device__ __forceinline__ void cache_load8(const void* c, int fmt, size_t i, fl
         v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
         return;
     }
-    uint4 u = *reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(c) + i);
+    uint4 u = cache_load8_half(c, i);
     const uint32_t* w = reinterpret_cast<const uint32_t*>(&u);
 #pragma unroll
     for (int e = 0; e < 4; e++) widen2(w[e], fmt, &v[2 * e], &v[2 * e + 1]);
@@ -1885,11 +1890,13 @@ __device__ __forceinline__ void attend_heads(AttnArgs a) {
                 int t = base + u * stride + grp, key = lo + t;
                 bool cached = active && t < nkeys && key != pos;
                 size_t at = head_base + (size_t)key * d + col;
-                rk[u] = cached ? *reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(cache.k) + at) : make_uint4(0, 0, 0, 0);
-                rv[u] = cached ? *reinterpret_cast<const uint4*>(reinterpret_cast<const uint16_t*>(cache.v) + at) : make_uint4(0, 0, 0, 0);
+                rk[u] = cached ? cache_load8_half(cache.k, at) : make_uint4(0, 0, 0, 0);
+                rv[u] = cached ? cache_load8_half(cache.v, at) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int u = 0; u < ATTN_UNROLL; u++) {
+                // K's and V's words in turn: the measured schedule (widening a whole K row, then
+                // V's, compiled to 123 registers, not 121, in another order).
                 const uint32_t* wk = reinterpret_cast<const uint32_t*>(&rk[u]);
                 const uint32_t* wv = reinterpret_cast<const uint32_t*>(&rv[u]);
 #pragma unroll
