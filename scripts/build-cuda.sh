@@ -8,6 +8,7 @@
 #   .gpu/pick_check (node/cuda/pick_check.cu: the greedy pick inside the LM head's launch, a check),
 #   .gpu/q6k_layout_bench (node/cuda/q6k_layout_bench.cu: Q6_K rows, GGUF's layout against an aligned one),
 #   .gpu/attend_bench (node/cuda/attend_bench.cu: long-context attention alone),
+#   .gpu/attend_short_bench (node/cuda/attend_short_bench.cu: short-context attention's cycles by phase),
 #   .gpu/residual_read_probe (node/cuda/residual_read_probe.cu: every block reading the residual) and
 #   .gpu/chain_floor_bench (node/cuda/chain_floor_bench.cu: dependent launches with no weights, and
 #   streaming a real model's bytes with nothing computed: `chain_floor_bench models`).
@@ -92,6 +93,9 @@ nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/pick_check" "$here/node/cuda/pi
 nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/q6k_layout_bench" "$here/node/cuda/q6k_layout_bench.cu" >&2
 # Long-context attention (`attend_group`) alone on the real shapes (.gpu/attend_bench).
 nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/attend_bench" "$here/node/cuda/attend_bench.cu" >&2
+# Short-context attention (`attend_d128`) alone, each phase's cycles once its input is there
+# (.gpu/attend_short_bench).
+nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/attend_short_bench" "$here/node/cuda/attend_short_bench.cu" >&2
 # Every block reading the residual: time per block, one copy or several (.gpu/residual_read_probe).
 nvcc -O3 -arch="sm_$cap" -L"$lib" -o "$here/.gpu/residual_read_probe" "$here/node/cuda/residual_read_probe.cu" >&2
 # The floor a step's 141 dependent launches set, per hand-off with no weights and per step with a

@@ -1,5 +1,5 @@
 // bench_common.cuh — what the standalone kernel harnesses (mv_bench.cu, attend_bench.cu,
-// pick_check.cu, q6k_layout_bench.cu, chain_floor_bench.cu) share: a CUDA call checked, the step tags launches read, a launch that may overlap
+// attend_short_bench.cu, pick_check.cu, q6k_layout_bench.cu, chain_floor_bench.cu) share: a CUDA call checked, the step tags launches read, a launch that may overlap
 // the previous kernel (as the engine's), the mean time of a launch, a checksum of a device buffer
 // that builds can be compared by, and random weights in each format. Included after decode.cu (its formats and `fmt_bytes`). Nothing else: each harness sets
 // up its own shapes and arguments.

@@ -1809,6 +1809,20 @@ __device__ __forceinline__ void softmax_merge(float& m, float& l, float* o, floa
 #define ATTN_UNROLL 4  // warp steps whose loads are in flight together
 #define LOG2E 1.4426950408889634f  // exp(x) = exp2(x * LOG2E)
 
+// attend_short_bench's marks: each warp's clock at eight points of `attend_heads`, and a spin
+// where the engine would wait for q/k/v. Compiled only with -DATTEND_PHASES (that bench); no code
+// in the engine's kernels.
+#ifdef ATTEND_PHASES
+#define ATTEND_PHASE_BLOCKS 256
+__device__ long long attend_phase_log[ATTEND_PHASE_BLOCKS * ATTN_MAX_WARPS * 8];
+__device__ long long attend_spin_cycles;
+#define ATTEND_PHASE(i) do { if ((threadIdx.x & 31) == 0 && blockIdx.x < ATTEND_PHASE_BLOCKS) attend_phase_log[((size_t)blockIdx.x * ATTN_MAX_WARPS + (threadIdx.x >> 5)) * 8 + (i)] = clock64(); } while (0)
+#define ATTEND_SPIN() do { long long t0_ = clock64(); while (clock64() - t0_ < attend_spin_cycles) {} } while (0)
+#else
+#define ATTEND_PHASE(i) do {} while (0)
+#define ATTEND_SPIN() do {} while (0)
+#endif
+
 // One block per query head. Warp 0 norms and rotates q, warp 1 k (and copies v); the first head
 // of each KV group appends this step's key and value to the cache. Then every warp streams its
 // share of the visible keys with an online softmax: lanes in groups of G (the power of two
@@ -1835,6 +1849,7 @@ __device__ __forceinline__ void attend_heads(AttnArgs a) {
     __shared__ float wmax[ATTN_MAX_WARPS], wsum[ATTN_MAX_WARPS];
     trace_mark(a.trace, &trace_started);
     allow_next_kernel();
+    ATTEND_PHASE(0);
     int splits = SPLIT && a.splits > 1 ? a.splits : 1;
     const int d = D > 0 ? D : a.d;  // D: the head dim at compile time, or 0
     int h = blockIdx.x / splits, split = blockIdx.x % splits;
@@ -1922,8 +1937,11 @@ __device__ __forceinline__ void attend_heads(AttnArgs a) {
     int base = warp * per_step;
     load_steps(base);
     __syncthreads();  // the rotation table
+    ATTEND_PHASE(1);
+    ATTEND_SPIN();
     if (!a.tagged) wait_for_previous_kernel();
     trace_mark(a.trace, &trace_waited);
+    ATTEND_PHASE(2);
     int kin = a.heads * d + kvh * d, vin = a.heads * d + a.kv_heads * d + kvh * d;
     if (a.tagged) {
         // Warps 0-2 read q, k and v as they arrive (warp 0 also v with two warps); warps 0 and 1
@@ -1940,6 +1958,7 @@ __device__ __forceinline__ void attend_heads(AttnArgs a) {
     }
     __syncthreads();
     trace_mark(a.trace, &trace_ready);
+    ATTEND_PHASE(3);
     if (h % rep == 0 && split == 0) {
         for (int i = threadIdx.x; i < d; i += blockDim.x) {
             cache_store(cache.k, a.cache_fmt, head_base + (size_t)pos * d + i, kn[i]);
@@ -1999,6 +2018,7 @@ __device__ __forceinline__ void attend_heads(AttnArgs a) {
             m = mx;
         }
     }
+    ATTEND_PHASE(4);
     // Merge the groups of a warp (lanes `group` apart hold the same columns), then the warps.
     for (int off = group; off < 32; off <<= 1) {
         float o2[8];
@@ -2016,6 +2036,7 @@ __device__ __forceinline__ void attend_heads(AttnArgs a) {
         wsum[warp] = l;
     }
     __syncthreads();
+    ATTEND_PHASE(5);
     // Each warp's weight once (a lane a warp), then every column a sum of products.
     __shared__ float wweight[SPLIT && ATTN_MAX_SPLITS > ATTN_MAX_WARPS ? ATTN_MAX_SPLITS : ATTN_MAX_WARPS];
     __shared__ float wden, wtop;
@@ -2029,6 +2050,7 @@ __device__ __forceinline__ void attend_heads(AttnArgs a) {
         if (lane == 0) wden = den, wtop = mx;
     }
     __syncthreads();
+    ATTEND_PHASE(6);
     auto numerator = [&](int i) {
         // Four independent sums (the warps' loads in flight together, not one chain of 16).
         float nums[4] = {0.f, 0.f, 0.f, 0.f};
@@ -2049,6 +2071,7 @@ __device__ __forceinline__ void attend_heads(AttnArgs a) {
     };
     if (!SPLIT || used == 1) {
         store_out([&](int i) { return numerator(i) / wden; });
+        ATTEND_PHASE(7);
         trace_block(a.trace, a.launch);
         return;
     }
