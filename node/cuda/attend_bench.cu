@@ -16,8 +16,6 @@
 
 struct Shape { const char* name; int heads, kv_heads, d; };
 
-static int env_int(const char* name, int fallback) { return getenv(name) ? atoi(getenv(name)) : fallback; }
-
 int main() {
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -48,7 +46,7 @@ int main() {
             std::vector<KvSlot> slots(copies);
             std::vector<uint16_t> hk(cache_bytes / 2);
             uint64_t st = 0x9E3779B97F4A7C15ull;
-            for (auto& v : hk) { st ^= st << 13; st ^= st >> 7; st ^= st << 17; v = __half_as_ushort(__float2half(((int)(st % 2001) - 1000) * 1e-3f)); }
+            for (auto& v : hk) v = f2h(random_unit(st));
             for (auto& slot : slots) {
                 CK(cudaMalloc(&slot.k, cache_bytes));
                 CK(cudaMalloc(&slot.v, cache_bytes));
@@ -61,7 +59,7 @@ int main() {
             CK(cudaMemcpy(dslots, slots.data(), copies * sizeof(KvSlot), cudaMemcpyHostToDevice));
             int width = (s.heads + 2 * s.kv_heads) * d;
             std::vector<float> hq(width), hf(d / 2);
-            for (auto& v : hq) { st ^= st << 13; st ^= st >> 7; st ^= st << 17; v = ((int)(st % 2001) - 1000) * 1e-3f; }
+            for (auto& v : hq) v = random_unit(st);
             for (int i = 0; i < d / 2; i++) hf[i] = powf(1e6f, -2.f * i / d);
             float *qkv, *inv_freq, *out, *partial;
             unsigned* count;

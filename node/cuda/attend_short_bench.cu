@@ -17,8 +17,6 @@
 
 struct Shape { const char* name; int heads, kv_heads, d; };
 
-static int env_int(const char* name, int fallback) { return getenv(name) ? atoi(getenv(name)) : fallback; }
-
 int main() {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
@@ -41,7 +39,7 @@ int main() {
             size_t cache_elems = (size_t)s.kv_heads * (ctx + 1) * d;
             std::vector<uint16_t> hk(cache_elems);
             uint64_t st = 0x9E3779B97F4A7C15ull;
-            for (auto& v : hk) { st ^= st << 13; st ^= st >> 7; st ^= st << 17; v = f2h(((int)(st % 2001) - 1000) * 1e-3f); }
+            for (auto& v : hk) v = f2h(random_unit(st));
             KvSlot slot;
             CK(cudaMalloc(&slot.k, cache_elems * 2));
             CK(cudaMalloc(&slot.v, cache_elems * 2));
@@ -52,7 +50,7 @@ int main() {
             CK(cudaMalloc(&dslot, sizeof slot));
             CK(cudaMemcpy(dslot, &slot, sizeof slot, cudaMemcpyHostToDevice));
             std::vector<float> hq(width), hf(d / 2);
-            for (auto& v : hq) { st ^= st << 13; st ^= st >> 7; st ^= st << 17; v = ((int)(st % 2001) - 1000) * 1e-3f; }
+            for (auto& v : hq) v = random_unit(st);
             for (int i = 0; i < d / 2; i++) hf[i] = powf(1e6f, -2.f * i / d);
             const unsigned kTag = 7;
             std::vector<unsigned long long> htagged(width);

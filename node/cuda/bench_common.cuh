@@ -1,7 +1,7 @@
 // bench_common.cuh — what the standalone kernel harnesses (mv_bench.cu, attend_bench.cu,
 // attend_short_bench.cu, pick_check.cu, q6k_layout_bench.cu, chain_floor_bench.cu) share: a CUDA call checked, the step tags launches read, a launch that may overlap
 // the previous kernel (as the engine's), the mean time of a launch, a checksum of a device buffer
-// that builds can be compared by, and random weights in each format. Included after decode.cu (its formats and `fmt_bytes`). Nothing else: each harness sets
+// that builds can be compared by, an integer from the environment, random values in [-1, 1], and random weights in each format. Included after decode.cu (its formats and `fmt_bytes`). Nothing else: each harness sets
 // up its own shapes and arguments.
 #pragma once
 #include <cstdio>
@@ -67,6 +67,18 @@ inline double checksum(const float* device_values, size_t n) {
     double check = 0;
     for (size_t i = 0; i < n; i++) check += host[i] * (double)(i % 7 + 1);
     return check;
+}
+
+// An integer from the environment, or `fallback`.
+inline int env_int(const char* name, int fallback) { return getenv(name) ? atoi(getenv(name)) : fallback; }
+
+// The next of a xorshift sequence's values in [-1, 1], steps of 0.001 (the attention benches'
+// caches and q/k/v).
+inline float random_unit(uint64_t& st) {
+    st ^= st << 13;
+    st ^= st >> 7;
+    st ^= st << 17;
+    return ((int)(st % 2001) - 1000) * 1e-3f;
 }
 
 inline uint16_t f2h(float f) { __half h = __float2half(f); uint16_t u; memcpy(&u, &h, 2); return u; }

@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
         for (auto f : k) cudaFuncSetAttribute(f, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024);
     cudaFuncSetAttribute(mv_gated_q4_k_ring, cudaFuncAttributeMaxDynamicSharedMemorySize, 220 * 1024);
     // MV_STREAM=2|3: gated Q4_K through each warp's ring of that many stages (mv_gated_q4_k_ring).
-    int stream = getenv("MV_STREAM") ? atoi(getenv("MV_STREAM")) : 0;
+    int stream = env_int("MV_STREAM", 0);
 
     // MV_FMT / MV_CASE: only the formats / cases whose names contain them (e.g. MV_FMT=q4_k
     // MV_CASE="7B gate").
@@ -73,12 +73,12 @@ int main(int argc, char** argv) {
             CK(cudaMemcpy(nw, hn.data(), c.cols * 4, cudaMemcpyHostToDevice));
             CK(cudaMemset(out, 0, (size_t)c.rows * 2 * 4));
             bool gated = c.mode == MODE_SILU;
-            int split = getenv("MV_SPLIT") ? atoi(getenv("MV_SPLIT")) : 2048;  // values a split-K slice (SHOAL_FUSED_SPLIT_K)
+            int split = env_int("MV_SPLIT", 2048);  // values a split-K slice (SHOAL_FUSED_SPLIT_K)
             // Equal slices, as cuda_decode.rs, for rows longer than MV_SPLIT_ABOVE (4,096) values.
-            int split_above = getenv("MV_SPLIT_ABOVE") ? atoi(getenv("MV_SPLIT_ABOVE")) : 4096;
+            int split_above = env_int("MV_SPLIT_ABOVE", 4096);
             int nslices = c.cols > split_above ? (c.cols + split - 1) / split : 1;
             // MV_SPLIT_STORE=1: stored launches under 8,192 rows split too (cuda_decode.rs's default).
-            bool split_store = getenv("MV_SPLIT_STORE") && atoi(getenv("MV_SPLIT_STORE")) && c.mode == MODE_STORE && c.rows * c.nseg < 8192;
+            bool split_store = env_int("MV_SPLIT_STORE", 0) && c.mode == MODE_STORE && c.rows * c.nseg < 8192;
             int slice = ((c.mode == MODE_ADD || split_store) && nslices > 1) ? ((c.cols / 256 + nslices - 1) / nslices) * 256 : c.cols;
             int rows_total = gated ? c.rows : c.rows * c.nseg;
             int per_block = 8;  // rows, or gate/up pairs
@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
             bool ring = stream && fmt == FMT_Q4_K && gated;
             // MV_Q8=1: Q4_K and Q6_K rows of other launches with int8 activations (`mv_q4_k_q8`,
             // `mv_q6_k_q8`).
-            bool q8 = getenv("MV_Q8") && atoi(getenv("MV_Q8")) && (fmt == FMT_Q4_K || fmt == FMT_Q6_K) && !gated;
+            bool q8 = env_int("MV_Q8", 0) && (fmt == FMT_Q4_K || fmt == FMT_Q6_K) && !gated;
             if (q8) smem = (size_t)slice * 8 + slice / 16 * 4;  // as for f32 Q4_K: the int8 input takes the reordered copy's space
             if (ring) smem = q4k_ring_smem(c.cols, 8, stream);
             int slices = (c.cols + slice - 1) / slice;
