@@ -631,14 +631,14 @@ __device__ float dot_q6_k(const uint8_t* r, int cols, const float* xs) {
     return y;
 }
 
-// A lane's walk over its steps of quantized rows (4 blocks apart, from block b), two at a time,
-// both loaded before either is used. Every lane of the warp makes the same passes (a lane whose
-// row ends a step earlier skips that step), so the warp never runs a last step for some lanes
-// after the others' pairs. `advance(2)` moves b (and the walk's pointers) on by two steps.
-template <typename Loads, typename Load, typename Use, typename Advance>
+// A lane's walk over its steps of quantized rows (PER blocks a step, from block b), two at a
+// time, both loaded before either is used. Every lane of the warp makes the same passes (a lane
+// whose row ends a step earlier skips that step), so the warp never runs a last step for some
+// lanes after the others' pairs. `advance(2)` moves b (and the walk's pointers) on by two steps.
+template <typename Loads, int PER = 4, typename Load, typename Use, typename Advance>
 __device__ __forceinline__ void two_steps_at_a_time(const int& b, int nb, Load load, Use use, Advance advance) {
-    for (int warp_b = b - ((threadIdx.x & 31) >> 3); warp_b < nb; warp_b += 8, advance(2)) {
-        bool has0 = b < nb, has1 = b + 4 < nb;
+    for (int warp_b = b - (threadIdx.x & 31) / (32 / PER); warp_b < nb; warp_b += 2 * PER, advance(2)) {
+        bool has0 = b < nb, has1 = b + PER < nb;
         Loads l0, l1;
         if (has0) load(0, l0);
         if (has1) load(1, l1);
@@ -968,26 +968,39 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
     return Staged{xs, xp, xsum, nullptr, nullptr, tag};
 }
 
-// Where a lane's values lie in a Q4_K block for `dot_q4_k_q8` (8 lanes a block: sub-blocks
-// 2g and 2g + 1, half h of each).
+// Where a lane's values lie in a Q4_K block for `dot_q4_k_q8`: 4 lanes a block, 8 blocks a step;
+// lane g of a block takes sub-blocks 2g and 2g + 1 whole (the 32 bytes whose low nibbles are
+// 2g's values and high nibbles 2g + 1's), so its scales and mins are cut once per 64 values.
+// Its inputs come in a lane-dependent order (`first_hi`: sub-block 2g + 1's first, for g >= 2),
+// so that the 16-byte loads of a quarter warp fall on distinct bank pairs but for a 2-way
+// conflict (without it, 4-way: every lane's input lies 0 or 64 bytes past a multiple of 128).
+constexpr int Q4_LANES = 4, Q4_PER_STEP = 32 / Q4_LANES;
 struct Q4Lane {
-    int qoff, xoff, dxoff, soff;  // the lane's nibbles in a block, its inputs, their scale, their sums
-    uint32_t shift;               // 8 * (j & 3) for the lane's sub-blocks j = 2g, 2g + 1
-    uint32_t low_mask, high_mask; // sub-blocks 0-3: 6 bits from bytes 0-3; 4-7: 4 bits from 8-11 and 2 from 0-7
-    bool upper;                   // sub-blocks 4-7
+    int blk;                       // the lane's block within a step
+    int qoff, xoff, dxoff, soff;   // the lane's 32 nibble bytes in a block, its first inputs, their scale, their sums
+    int other;                     // from the first inputs (and their scale) to the second: 32 (1) or -32 (-1)
+    uint32_t shift;                // 8 * (j & 3) for the lane's sub-blocks j = 2g, 2g + 1
+    uint32_t low_mask, high_mask;  // sub-blocks 0-3: 6 bits from bytes 0-3; 4-7: 4 bits from 8-11 and 2 from 0-7
+    bool upper;                    // sub-blocks 4-7
+    uint32_t mask_a, mask_b;       // the nibbles met first (a) and second (b)
+    uint32_t pick_a, pick_b;       // `__byte_perm` selectors of their scales (byte 0 or 1 of the pair)
+    float dx_a, dx_b;              // their inputs' scale factors (1/16 for high nibbles, summed in place)
 };
 
 __device__ __forceinline__ Q4Lane q4k_lane() {
-    int sub = threadIdx.x & 7, g = sub >> 1, h = sub & 1;
-    bool upper = g >= 2;
-    return Q4Lane{16 + 32 * g + 16 * h, 64 * g + 16 * h, 2 * g, 4 * g + h, (uint32_t)(16 * (g & 1)),
-                  upper ? 0x0F0Fu : 0x3F3Fu, upper ? 0x3030u : 0u, upper};
+    int lane = threadIdx.x & 31, g = lane & 3;
+    bool upper = g >= 2, first_hi = upper;
+    return Q4Lane{lane >> 2, 16 + 32 * g, 64 * g + (first_hi ? 32 : 0), 2 * g + first_hi, 4 * g, first_hi ? -32 : 32, (uint32_t)(16 * (g & 1)),
+                  upper ? 0x0F0Fu : 0x3F3Fu, upper ? 0x3030u : 0u, upper,
+                  first_hi ? 0xF0F0F0F0u : 0x0F0F0F0Fu, first_hi ? 0x0F0F0F0Fu : 0xF0F0F0F0u,
+                  first_hi ? 0x4441u : 0x4440u, first_hi ? 0x4440u : 0x4441u,
+                  first_hi ? 0.0625f : 1.f, first_hi ? 1.f : 0.0625f};
 }
 
 // One step of `dot_q4_k_q8`'s loads for R rows: the header of block `blk[rr]` and this lane's
-// 16 nibble bytes of it.
+// 32 nibble bytes of it.
 struct Q4Loads {
-    uint4 hw[2], q[2];
+    uint4 hw[2], q[2][2];
 };
 
 template <int R>
@@ -995,7 +1008,8 @@ __device__ __forceinline__ void q4k_load(const Q4Lane& ln, const uint8_t* const*
 #pragma unroll
     for (int rr = 0; rr < R; rr++) {
         l.hw[rr] = *reinterpret_cast<const uint4*>(blk[rr]);
-        l.q[rr] = *reinterpret_cast<const uint4*>(blk[rr] + ln.qoff);
+        l.q[rr][0] = *reinterpret_cast<const uint4*>(blk[rr] + ln.qoff);
+        l.q[rr][1] = *reinterpret_cast<const uint4*>(blk[rr] + ln.qoff + 16);
     }
 }
 
@@ -1124,11 +1138,12 @@ __device__ void mv_rows(const MvArgs& a) {
         int lr = walk(first << a.pairs);
         Seg sg = seg_of_row(a, &lr);
         if ((F == FMT_Q4_K || F == FMT_ANY) && sg.fmt == FMT_Q4_K) {
-            const uint8_t* blk0 = row_at(sg.w, FMT_Q4_K, lr, a.cols, k0) + (size_t)(lane >> 3) * 144;
+            const Q4Lane ln = q4k_lane();
+            const uint8_t* blk0 = row_at(sg.w, FMT_Q4_K, lr, a.cols, k0) + (size_t)ln.blk * 144;
             const uint8_t* blks[2] = {blk0, blk0 + fmt_bytes(FMT_Q4_K, a.cols)};
-            if ((lane >> 3) < (kn >> 8)) {
-                if (PAIRS) q4k_load<2>(q4k_lane(), blks, q4first);
-                else q4k_load<1>(q4k_lane(), blks, q4first);
+            if (ln.blk < (kn >> 8)) {
+                if (PAIRS) q4k_load<2>(ln, blks, q4first);
+                else q4k_load<1>(ln, blks, q4first);
             }
             q4pre = true;
         }
@@ -1221,7 +1236,8 @@ __device__ void mv_rows(const MvArgs& a) {
             float y;
             if (Q8 && (F == FMT_Q4_K || F == FMT_ANY && sg.fmt == FMT_Q4_K)) {
                 const uint8_t* row = row_at(sg.w, FMT_Q4_K, lr, a.cols, k0);
-                dot_q4_k_q8<1>(&row, kn, in.x8, in.dx, in.xsum, &y, use_pre, q4first);
+                // (Mixed launches one step at a time: two spilled 32 bytes beside the Q6_K walk.)
+                dot_q4_k_q8<1, F == FMT_ANY>(&row, kn, in.x8, in.dx, in.xsum, &y, use_pre, q4first);
             } else if (Q8) {
                 const uint8_t* row = row_at(sg.w, FMT_Q6_K, lr, a.cols, k0);
                 dot_q6_k_q8<1>(&row, kn, in.x8, in.dx, &y);
@@ -1283,95 +1299,110 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // Q4_K rows · int8 activations (`x8`, one f32 scale `dx` per 32 values, as llama.cpp's MMVQ
-// quantizes them): each lane's 16 nibble bytes meet 16 + 16 input bytes in 8 `dp4a`s, against
+// quantizes them): each lane's 32 nibble bytes meet 32 + 32 input bytes in 16 `dp4a`s, against
 // 3 instructions a value with f32 inputs. The mins' term takes `xsum`, the sums of each 16 int8
-// inputs times their scale. Lanes as in `dot_q4_k`: 8 a block, 4 blocks a step. These kernels
-// are bound by instruction issue (`ncu`: 3.7 bytes of weights an instruction against 12 for
-// f16 rows), so a step is written for few instructions: high nibbles stay in place (a `dp4a`
-// of unsigned bytes, 16 times the sum, taken out with the input's scale), and the lane's two 6-bit scales and
-// mins are cut from the packed bytes without branches, both at once (`Q4Lane`).
+// inputs times their scale. Lanes as `Q4Lane` places them: 4 a block, 8 blocks a step. These
+// kernels were bound by instruction issue (`ncu`, session 31: 3.7 bytes of weights an
+// instruction against 12 for f16 rows), so a step is written for few instructions: high nibbles
+// stay in place (a `dp4a` of unsigned bytes, 16 times the sum, taken out with the input's
+// scale), and the lane's two 6-bit scales and mins are cut from the packed bytes without
+// branches, both at once, once for its 64 values.
 __device__ __forceinline__ int dp4a_u8_s8(uint32_t a, int b, int c) {
     int d;
     asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     return d;
 }
 
-// Adds one step (a block's header `l.hw` and the lane's 16 nibble bytes `l.q`, per row) into acc;
-// x8, dx and xsum point at the step's block as `Q4Lane` places the lane in it.
+// Adds one step (a block's header `l.hw` and the lane's 32 nibble bytes `l.q`, per row) into acc;
+// x8, dx and xsum point at the step's block as `Q4Lane` places the lane in it (x8 at the inputs
+// met first).
 template <int R>
 __device__ __forceinline__ void q4k_use(const Q4Lane& ln, const Q4Loads& l, const int8_t* x8, const float* dx, const float* xsum, float* acc) {
-    int4 xl = *reinterpret_cast<const int4*>(x8), xh = *reinterpret_cast<const int4*>(x8 + 32);
-    float dxl = dx[0], dxh16 = dx[1] * 0.0625f;  // the high nibbles' sums come 16 times too large
-    float slo = xsum[0], shi = xsum[2];
+    const int4* xv = reinterpret_cast<const int4*>(x8);
+    const int4* xw = reinterpret_cast<const int4*>(x8 + ln.other);
+    int4 xa0 = xv[0], xa1 = xv[1], xb0 = xw[0], xb1 = xw[1];
+    float dxa = dx[0] * ln.dx_a, dxb = dx[ln.other >> 5] * ln.dx_b;
+    float4 s4 = *reinterpret_cast<const float4*>(xsum);
+    float slo = s4.x + s4.y, shi = s4.z + s4.w;
 #pragma unroll
     for (int rr = 0; rr < R; rr++) {
-        uint4 q = l.q[rr];
-        int lo = 0, hi = 0;
-        lo = __dp4a((int)(q.x & 0x0F0F0F0Fu), xl.x, lo);
-        hi = dp4a_u8_s8(q.x & 0xF0F0F0F0u, xh.x, hi);
-        lo = __dp4a((int)(q.y & 0x0F0F0F0Fu), xl.y, lo);
-        hi = dp4a_u8_s8(q.y & 0xF0F0F0F0u, xh.y, hi);
-        lo = __dp4a((int)(q.z & 0x0F0F0F0Fu), xl.z, lo);
-        hi = dp4a_u8_s8(q.z & 0xF0F0F0F0u, xh.z, hi);
-        lo = __dp4a((int)(q.w & 0x0F0F0F0Fu), xl.w, lo);
-        hi = dp4a_u8_s8(q.w & 0xF0F0F0F0u, xh.w, hi);
+        uint4 q0 = l.q[rr][0], q1 = l.q[rr][1];
+        int sa = 0, sb = 0;
+        sa = dp4a_u8_s8(q0.x & ln.mask_a, xa0.x, sa);
+        sb = dp4a_u8_s8(q0.x & ln.mask_b, xb0.x, sb);
+        sa = dp4a_u8_s8(q0.y & ln.mask_a, xa0.y, sa);
+        sb = dp4a_u8_s8(q0.y & ln.mask_b, xb0.y, sb);
+        sa = dp4a_u8_s8(q0.z & ln.mask_a, xa0.z, sa);
+        sb = dp4a_u8_s8(q0.z & ln.mask_b, xb0.z, sb);
+        sa = dp4a_u8_s8(q0.w & ln.mask_a, xa0.w, sa);
+        sb = dp4a_u8_s8(q0.w & ln.mask_b, xb0.w, sb);
+        sa = dp4a_u8_s8(q1.x & ln.mask_a, xa1.x, sa);
+        sb = dp4a_u8_s8(q1.x & ln.mask_b, xb1.x, sb);
+        sa = dp4a_u8_s8(q1.y & ln.mask_a, xa1.y, sa);
+        sb = dp4a_u8_s8(q1.y & ln.mask_b, xb1.y, sb);
+        sa = dp4a_u8_s8(q1.z & ln.mask_a, xa1.z, sa);
+        sb = dp4a_u8_s8(q1.z & ln.mask_b, xb1.z, sb);
+        sa = dp4a_u8_s8(q1.w & ln.mask_a, xa1.w, sa);
+        sb = dp4a_u8_s8(q1.w & ln.mask_b, xb1.w, sb);
         // Scales (sc) and mins (m) of sub-blocks j and j + 1, in bytes 0 and 1 (see `scale_min_k4`).
         uint32_t w0 = l.hw[rr].y, w1 = l.hw[rr].z, w2 = l.hw[rr].w;
         uint32_t sc_src = ln.upper ? w2 : w0, m_src = ln.upper ? w2 >> 4 : w1;
         uint32_t sc = ((sc_src >> ln.shift) & ln.low_mask) | ((w0 >> (ln.shift + 2)) & ln.high_mask);
         uint32_t m = ((m_src >> ln.shift) & ln.low_mask) | ((w1 >> (ln.shift + 2)) & ln.high_mask);
-        // Scaled sums in integers (|sc · hi| < 2^25: exact as floats): the scales need no float
-        // conversion of their own.
-        float lo_s = (float)((int)(sc & 0xFF) * lo), hi_s = (float)((int)(sc >> 8) * hi);
+        // Scaled sums in integers (|sc · sum| < 2^26: within a float's rounding): the scales need
+        // no float conversion of their own.
+        float a_s = (float)((int)__byte_perm(sc, 0, ln.pick_a) * sa), b_s = (float)((int)__byte_perm(sc, 0, ln.pick_b) * sb);
         float m0 = (float)(m & 0xFF), m1 = (float)(m >> 8);
         float2 d = __half22float2(*reinterpret_cast<const __half2*>(&l.hw[rr].x));
-        acc[rr] += d.x * fmaf(dxh16, hi_s, dxl * lo_s) - d.y * fmaf(m1, shi, m0 * slo);
+        acc[rr] += d.x * fmaf(dxb, b_s, dxa * a_s) - d.y * fmaf(m1, shi, m0 * slo);
     }
 }
 
-// With `preloaded`, `first` holds the loads of the lane's first step (block lane / 8).
-// Steps go two at a time, both loaded before either is used (ONE_STEP: one at a time, for the
+// With `preloaded`, `first` holds the loads of the lane's first step (block `Q4Lane::blk`).
+// One row's steps go two at a time, both loaded before either is used; two rows' steps (as many
+// bytes a step as two steps of one row) one at a time, and so do all with ONE_STEP (for the
 // 3-stage ring's rows in shared memory).
 template <int R, bool ONE_STEP>
 __device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, const float* xsum, float* out, bool preloaded, const Q4Loads& first) {
     const Q4Lane ln = q4k_lane();
-    int nb = cols >> 8, b = (threadIdx.x & 31) >> 3;
+    int nb = cols >> 8, b = ln.blk;
     float acc[R];
 #pragma unroll
     for (int k = 0; k < R; k++) acc[k] = 0.f;
     const uint8_t* blk[R];
 #pragma unroll
     for (int rr = 0; rr < R; rr++) blk[rr] = rows[rr] + (size_t)b * 144;
+    constexpr int STEP_BYTES = Q4_PER_STEP * 144, STEP_X = Q4_PER_STEP * 256, STEP_DX = Q4_PER_STEP * 8, STEP_S = Q4_PER_STEP * 16;
     const int8_t* xb = x8 + b * 256 + ln.xoff;
     const float* dxb = dx + b * 8 + ln.dxoff;
     const float* sb = xsum + b * 16 + ln.soff;
     auto load = [&](int step, Q4Loads& l) {
         const uint8_t* at[R];
 #pragma unroll
-        for (int rr = 0; rr < R; rr++) at[rr] = blk[rr] + step * 576;
+        for (int rr = 0; rr < R; rr++) at[rr] = blk[rr] + step * STEP_BYTES;
         q4k_load<R>(ln, at, l);
     };
-    auto use = [&](int step, const Q4Loads& l) { q4k_use<R>(ln, l, xb + step * 1024, dxb + step * 32, sb + step * 64, acc); };
+    auto use = [&](int step, const Q4Loads& l) { q4k_use<R>(ln, l, xb + step * STEP_X, dxb + step * STEP_DX, sb + step * STEP_S, acc); };
     auto advance = [&](int steps) {
 #pragma unroll
-        for (int rr = 0; rr < R; rr++) blk[rr] += steps * 576;
-        xb += steps * 1024;
-        dxb += steps * 32;
-        sb += steps * 64;
-        b += steps * 4;
+        for (int rr = 0; rr < R; rr++) blk[rr] += steps * STEP_BYTES;
+        xb += steps * STEP_X;
+        dxb += steps * STEP_DX;
+        sb += steps * STEP_S;
+        b += steps * Q4_PER_STEP;
     };
     if (preloaded) {
         if (b < nb) use(0, first);
         advance(1);
     }
-    if (ONE_STEP) {
+    if (ONE_STEP || R == 2) {  // two rows' steps two at a time would hold 48 registers of loads
         for (; b < nb; advance(1)) {
             Q4Loads l;
             load(0, l);
             use(0, l);
         }
     } else {
-        two_steps_at_a_time<Q4Loads>(b, nb, load, use, advance);
+        two_steps_at_a_time<Q4Loads, Q4_PER_STEP>(b, nb, load, use, advance);
     }
 #pragma unroll
     for (int rr = 0; rr < R; rr++) out[rr] = warp_sum(acc[rr]);
@@ -1379,22 +1410,22 @@ __device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols
 
 // gate's row and up's row of a ring slot, which lie as one run of 2·nb blocks, walked as one row
 // of 2·nb blocks, two steps at a time (block i < nb into gate's sum, the others into up's): where
-// nb is not a multiple of 4 (the 1.5B's 6), no lane idles through a row's last step (6 blocks a
-// row took two steps of 4 for each of the two rows; 12 take three). Each block's product is the
-// one `dot_q4_k_q8` adds; up's blocks fall to other lanes, so up's sum may differ from it in the
-// last bits. Where nb is a multiple of 4 it saves no step and was slower (`mv_gated_q4_k_ring_2_run`
-// has the figures), and so was the 3-stage ring walked this way, one step at a time or two (7B
-// Q4_K_M 518.5 -> 505.1 and 518.3 -> 497.4 tok/s, three rounds each).
+// nb is not a multiple of the blocks a step (the 1.5B's 6), fewer lanes idle through a row's last
+// step. Each block's product is the one `dot_q4_k_q8` adds; up's blocks fall to other lanes, so
+// up's sum may differ from it in the last bits. Where nb is a multiple of 4 it saved no step and
+// was slower with 8 lanes a block (`mv_gated_q4_k_ring_2_run` has the figures), and so was the
+// 3-stage ring walked this way, one step at a time or two (7B Q4_K_M 518.5 -> 505.1 and 518.3 ->
+// 497.4 tok/s, three rounds each).
 __device__ __forceinline__ void dot_q4_k_q8_pair_run(const uint8_t* run, int cols, const int8_t* x8, const float* dx, const float* xsum, float* out) {
     const Q4Lane ln = q4k_lane();
-    int nb = cols >> 8, b = (threadIdx.x & 31) >> 3;
+    int nb = cols >> 8, b = ln.blk;
     float gate = 0.f, up_sum = 0.f;
     auto load = [&](int step, Q4Loads& l) {
-        const uint8_t* at = run + (size_t)(b + 4 * step) * 144;
+        const uint8_t* at = run + (size_t)(b + Q4_PER_STEP * step) * 144;
         q4k_load<1>(ln, &at, l);
     };
     auto use = [&](int step, const Q4Loads& l) {
-        int i = b + 4 * step;
+        int i = b + Q4_PER_STEP * step;
         bool up = i >= nb;
         int bx = up ? i - nb : i;
         float v = 0.f;
@@ -1402,7 +1433,7 @@ __device__ __forceinline__ void dot_q4_k_q8_pair_run(const uint8_t* run, int col
         if (up) up_sum += v;
         else gate += v;
     };
-    two_steps_at_a_time<Q4Loads>(b, 2 * nb, load, use, [&](int steps) { b += 4 * steps; });
+    two_steps_at_a_time<Q4Loads, Q4_PER_STEP>(b, 2 * nb, load, use, [&](int steps) { b += Q4_PER_STEP * steps; });
     out[0] = warp_sum(gate);
     out[1] = warp_sum(up_sum);
 }
@@ -1420,10 +1451,9 @@ __host__ __device__ __forceinline__ size_t q4k_ring_smem(int cols, int warps, in
 // (no registers held while in flight, so more bytes in flight than loads into registers allow)
 // while it multiplies the pair that has landed, with int8 activations (`dot_q4_k_q8`). Its first
 // copies go out before the previous kernel is waited for (weights depend on no kernel). No
-// block-wide hand-off: a warp waits only for its own copies. TWO_STEPS: a row's blocks are read
-// from shared memory two steps at a time (`two_steps_at_a_time`), both steps' loads in flight
-// together, rather than one (see `mv_gated_q4_k_ring_2`).
-template <int STAGES, bool TWO_STEPS = false, bool PAIR_RUN = false>
+// block-wide hand-off: a warp waits only for its own copies. PAIR_RUN: each slot's gate/up rows
+// walked as one run (`dot_q4_k_q8_pair_run`, see `mv_gated_q4_k_ring_2_run`).
+template <int STAGES, bool PAIR_RUN = false>
 __device__ void q4k_gated_ring(const MvArgs& a, uint8_t* smem) {
     int lane = threadIdx.x & 31, warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
     int cols = a.cols, rows = a.seg[0].rows;
@@ -1469,7 +1499,7 @@ __device__ void q4k_gated_ring(const MvArgs& a, uint8_t* smem) {
             dot_q4_k_q8_pair_run(slot, cols, x8, dx, xsum, gu);
         } else {
             const uint8_t* pair[2] = {slot, slot + rb};
-            dot_q4_k_q8<2, !TWO_STEPS>(pair, cols, x8, dx, xsum, gu);
+            dot_q4_k_q8<2>(pair, cols, x8, dx, xsum, gu);
         }
         if (lane == 0) {
             float gv = gu[0] + (a.seg[0].bias ? a.seg[0].bias[r] : 0.f), uv = gu[1] + (a.seg[1].bias ? a.seg[1].bias[r] : 0.f);
@@ -1554,30 +1584,17 @@ extern "C" __global__ void __launch_bounds__(256, 4) mv_gated_q4_k_ring(MvArgs a
     else q4k_gated_ring<2>(a, smem);
 }
 
-// The same for rings of 2 stages, a row's steps read two at a time. A warp's reads from shared
-// memory and its products are much of these launches' time (session 44: the 1.5B's gate/up with
-// every row in shared memory before its wait, 6 stages at 2 blocks an SM, worked 5.5 µs a layer,
-// against 5.2 streaming its rows at 2 stages and 4 blocks an SM).
-// An instance of its own, so that the 3-stage ring keeps its registers: in one kernel with it,
-// the ring spilled 8 bytes and the 7B Q4_K_M decoded 4% slower. One H100 (session 44, two
-// alternating rounds, 64-token prompts, against one step at a time): 1.5B Q4_K_M 1020.1 /
-// 1005.4 -> 1061.7 / 1061.7 tok/s, 3B 659.1 / 659.0 -> 741.0 / 733.0; the 7B (3 stages, this
-// kernel unchanged) 452.1 / 451.0 -> 450.0 / 453.4. Its 3-stage ring two steps at a time lost
-// (451.6 / 451.8 -> 448.3 / 447.9).
-extern "C" __global__ void __launch_bounds__(256, 4) mv_gated_q4_k_ring_2(MvArgs a) {
-    extern __shared__ float4 ring_smem4[];
-    q4k_gated_ring<2, true>(a, reinterpret_cast<uint8_t*>(ring_smem4));
-}
-
-// The same where a row's blocks are not a whole number of steps (cols not a multiple of 1,024):
-// each slot's gate/up rows walked as one run (`dot_q4_k_q8_pair_run`). H200s, alternating rounds
-// against `mv_gated_q4_k_ring_2` (session 56): 1.5B Q4_K_M (6 blocks a row) 1,127.9 -> 1,137.2
-// tok/s on average over twelve rounds in three calls (+0.8%, faster in 11), its gate/up
-// 10.58-10.70 -> 10.05-10.06 µs a layer in traces (tail 2.63-2.80 -> 2.31-2.33); but with whole
-// steps slower: 3B (8 blocks) 769.1 -> 750.1, Llama-3-8B shape (16) 490.0 -> 474.6, three rounds each.
+// 2-stage rings where a row's blocks are not a whole number of steps (cols not a multiple of
+// 2,048): each slot's gate/up rows walked as one run (`dot_q4_k_q8_pair_run`), an instance of its
+// own. H200s, alternating rounds against the rows walked apart (session 56, when a step was 4
+// blocks and 2-stage rings read a row two steps at a time): 1.5B Q4_K_M (6 blocks a row) 1,127.9
+// -> 1,137.2 tok/s on average over twelve rounds in three calls (+0.8%, faster in 11), its
+// gate/up 10.58-10.70 -> 10.05-10.06 µs a layer in traces (tail 2.63-2.80 -> 2.31-2.33); but with
+// whole steps slower: 3B (8 blocks) 769.1 -> 750.1, Llama-3-8B shape (16) 490.0 -> 474.6, three
+// rounds each.
 extern "C" __global__ void __launch_bounds__(256, 4) mv_gated_q4_k_ring_2_run(MvArgs a) {
     extern __shared__ float4 ring_smem4[];
-    q4k_gated_ring<2, true, true>(a, reinterpret_cast<uint8_t*>(ring_smem4));
+    q4k_gated_ring<2, true>(a, reinterpret_cast<uint8_t*>(ring_smem4));
 }
 
 // The first shard's input: row `**token_at` of the embedding table (rows `cols` wide in `fmt`,

@@ -813,11 +813,10 @@ impl MvGrids {
             ("mv_any", _, true) => "mv_any_q8",
             _ => kernel,
         };
-        // A 2-stage ring reads its rows two steps at a time (`mv_gated_q4_k_ring_2`), each slot's
-        // gate/up rows as one run where a row is not a whole number of steps (4 Q4_K blocks).
-        let kernel = match (ring, args.stream, args.cols % 1024) {
-            (true, 2, 0) => "mv_gated_q4_k_ring_2",
-            (true, 2, _) => "mv_gated_q4_k_ring_2_run",
+        // A 2-stage ring walks each slot's gate/up rows as one run where a row is not a whole
+        // number of steps (8 Q4_K blocks: `mv_gated_q4_k_ring_2_run`).
+        let kernel = match (ring, args.stream, args.cols % 2048) {
+            (true, 2, 1..) => "mv_gated_q4_k_ring_2_run",
             _ => kernel,
         };
         let (cap, warps) = if q6_pairs { ((self.q6_pairs_blocks / slices).max(1), MV_THREADS / 32) } else { (cap, warps) };
@@ -1386,7 +1385,7 @@ impl FusedDecode {
                     "mv_q4_k" => &["mv_q4_k", "mv_q4_k_pairs", "mv_q4_k_q8", "mv_q4_k_q8_pairs"],
                     "mv_q6_k" => &["mv_q6_k", "mv_q6_k_q8", "mv_q6_k_q8_pairs"],
                     "mv_any" => &["mv_any", "mv_any_q8"],
-                    "mv_gated_q4_k_ring" => &["mv_gated_q4_k_ring", "mv_gated_q4_k_ring_2", "mv_gated_q4_k_ring_2_run"],
+                    "mv_gated_q4_k_ring" => &["mv_gated_q4_k_ring", "mv_gated_q4_k_ring_2_run"],
                     _ => &[kernel],
                 };
                 for &kernel in names {
@@ -1809,9 +1808,9 @@ mod tests {
     }
 
     #[test]
-    fn two_stage_rings_read_two_steps_at_a_time_in_a_kernel_of_their_own() {
-        // Qwen2.5-3B's gate/up (2 stages, rows of 8 Q4_K blocks) takes `mv_gated_q4_k_ring_2`, the
-        // 1.5B's (rows of 6: not whole steps of 4) `mv_gated_q4_k_ring_2_run`, the 7B's (3 stages)
+    fn two_stage_rings_of_rows_not_whole_steps_walk_them_as_one_run() {
+        // Qwen2.5-1.5B's gate/up (2 stages, rows of 6 Q4_K blocks: not whole steps of 8) takes
+        // `mv_gated_q4_k_ring_2_run`, the 3B's (rows of 8) and the 7B's (3 stages)
         // `mv_gated_q4_k_ring`; all in blocks of 8 warps over the ring's grid.
         let grids = h100();
         let gate_up = |rows: i32, cols: i32, stream: i32| {
@@ -1821,7 +1820,7 @@ mod tests {
             let shape = grids.shape("mv_gated_q4_k_ring", &args, rows as u32);
             (shape.kernel, shape.threads, shape.blocks)
         };
-        assert_eq!(gate_up(11_008, 2_048, 2), ("mv_gated_q4_k_ring_2", 256, 132 * 3));
+        assert_eq!(gate_up(11_008, 2_048, 2), ("mv_gated_q4_k_ring", 256, 132 * 3));
         assert_eq!(gate_up(8_960, 1_536, 2), ("mv_gated_q4_k_ring_2_run", 256, 132 * 3));
         assert_eq!(gate_up(18_944, 3_584, 3), ("mv_gated_q4_k_ring", 256, 132 * 3));
     }
