@@ -975,7 +975,7 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
 // Its inputs come in a lane-dependent order (`first_hi`: sub-block 2g + 1's first, for g >= 2),
 // so that the 16-byte loads of a quarter warp fall on distinct bank pairs but for a 2-way
 // conflict (without it, 4-way: every lane's input lies 0 or 64 bytes past a multiple of 128).
-constexpr int Q4_LANES = 4, Q4_PER_STEP = 32 / Q4_LANES;
+constexpr int Q4_PER_STEP = 8;  // blocks a step, 4 lanes each
 struct Q4Lane {
     int blk;                       // the lane's block within a step
     int qoff, xoff, dxoff, soff;   // the lane's 32 nibble bytes in a block, its first inputs, their scale, their sums
@@ -1361,8 +1361,8 @@ __device__ __forceinline__ void q4k_use(const Q4Lane& ln, const Q4Loads& l, cons
 
 // With `preloaded`, `first` holds the loads of the lane's first step (block `Q4Lane::blk`).
 // One row's steps go two at a time, both loaded before either is used; two rows' steps (as many
-// bytes a step as two steps of one row) one at a time, and so do all with ONE_STEP (for the
-// 3-stage ring's rows in shared memory).
+// bytes a step as two steps of one row) one at a time, and so do one row's with ONE_STEP (launches
+// that mix Q4_K and Q6_K rows, where two steps spilled).
 template <int R, bool ONE_STEP>
 __device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, const float* xsum, float* out, bool preloaded, const Q4Loads& first) {
     const Q4Lane ln = q4k_lane();
