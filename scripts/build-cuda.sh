@@ -6,7 +6,7 @@
 #   (shoal, examples/device_check) gzipped into .gpu/ for scripts/gpu-check.sh on a GPU machine,
 #   with .gpu/mv_bench (node/cuda/mv_bench.cu: the decode kernels alone, timed per shape),
 #   .gpu/pick_check (node/cuda/pick_check.cu: the greedy pick inside the LM head's launch, a check),
-#   .gpu/q6k_layout_bench (node/cuda/q6k_layout_bench.cu: Q6_K rows, GGUF's layout against an aligned one and through a ring),
+#   .gpu/q6k_layout_bench (node/cuda/q6k_layout_bench.cu: Q6_K rows, GGUF's layout against an aligned one),
 #   .gpu/attend_bench (node/cuda/attend_bench.cu: long-context attention alone),
 #   .gpu/attend_short_bench (node/cuda/attend_short_bench.cu: short-context attention's cycles by phase),
 #   .gpu/residual_read_probe (node/cuda/residual_read_probe.cu: every block reading the residual) and

@@ -659,16 +659,15 @@ struct Q6Loads {
 // its d. Q6_K blocks are only 2-byte aligned: each 8 bytes come as aligned words (three where
 // the block starts off a word, else two) and two funnel shifts. (The third word only where the
 // block starts 2 bytes past a word: for an aligned last block of a tensor, the scales' third word
-// would lie past its end.) SHARED: the blocks lie in shared memory (plain loads, not `__ldg`).
-template <int R, bool SHARED = false>
+// would lie past its end.)
+template <int R>
 __device__ __forceinline__ void q6k_load_words(const uint8_t* const* p, int qa_w, int qh_w, int sc_w, Q6Loads* l) {
-    auto ld = [](const uint32_t* at) { return SHARED ? *at : __ldg(at); };
 #pragma unroll
     for (int rr = 0; rr < R; rr++) {
         const uint32_t* w = reinterpret_cast<const uint32_t*>(reinterpret_cast<uintptr_t>(p[rr]) & ~(uintptr_t)3);
         uint32_t shift = (uint32_t)(reinterpret_cast<uintptr_t>(p[rr]) & 2) * 8;
         auto eight = [&](int at, uint32_t* out2) {
-            uint32_t w0 = ld(w + at), w1 = ld(w + at + 1), w2 = shift ? ld(w + at + 2) : 0u;
+            uint32_t w0 = __ldg(w + at), w1 = __ldg(w + at + 1), w2 = shift ? __ldg(w + at + 2) : 0u;
             out2[0] = __funnelshift_r(w0, w1, shift);
             out2[1] = __funnelshift_r(w1, w2, shift);
         };
@@ -718,8 +717,8 @@ __device__ __forceinline__ void q6k_use(const Q6Loads* l, const int8_t* xp, cons
 // blocks a step: lane (n, l0) takes l0 .. l0 + 7 of each of the four 32-value groups of its half
 // n (all under one scale each), so a block's scales and d are loaded once per 32 values
 // (`q6k_load_words`, `q6k_use`). Like the Q4_K kernel this one is bound by instruction issue;
-// steps go two at a time (`two_steps_at_a_time`). SHARED: the rows lie in shared memory.
-template <int R, bool SHARED = false>
+// steps go two at a time (`two_steps_at_a_time`).
+template <int R>
 __device__ __forceinline__ void dot_q6_k_q8(const uint8_t* const* rows, int cols, const int8_t* x8, const float* dx, float* out) {
     int lane = threadIdx.x & 31, sub = lane & 7, n = sub >> 2, l0 = (sub & 3) * 8, c = (sub & 3) >> 1;
     const int qa_w = (64 * n + l0) / 4, qh_w = (128 + 32 * n + l0) / 4, sc_w = (192 + 8 * n) / 4;
@@ -737,7 +736,7 @@ __device__ __forceinline__ void dot_q6_k_q8(const uint8_t* const* rows, int cols
         const uint8_t* p[R];
 #pragma unroll
         for (int rr = 0; rr < R; rr++) p[rr] = blk[rr] + step * 840;
-        q6k_load_words<R, SHARED>(p, qa_w, qh_w, sc_w, l);
+        q6k_load_words<R>(p, qa_w, qh_w, sc_w, l);
     };
     auto use = [&](int step, const Q6Loads* l) { q6k_use<R>(l, xb + step * 1024, db + step * 32, sc_pick, acc); };
     auto advance = [&](int steps) {

@@ -6,10 +6,12 @@
 // where each lane's 8 bytes of a field are one 8-byte load. On the 7B's down (3,584 x 18,944, in 7
 // slices as the engine runs it) and LM head shapes, over enough copies that nothing stays in L2.
 // Prints µs per launch, GB/s of GGUF bytes, and both layouts' checksums (equal: the same sums in
-// the same order). Then the engine's walk over GGUF's blocks streamed through a `cp.async` ring in
-// shared memory (2 and 3 stages; added in session 59 and not yet run). Built by
-// scripts/build-cuda.sh; run on the GPU machine. Not a test: it asserts nothing; shoal does not
-// repack Q6_K (candle's kernels read the GGUF layout for short prompts).
+// the same order). Built by scripts/build-cuda.sh; run on the GPU machine. Not a test: it asserts
+// nothing; shoal does not repack Q6_K (candle's kernels read the GGUF layout for short prompts;
+// session 60 tried a regrouped layout in the engine, see docs/gpu-performance-log.md). Session 59's
+// third variant, GGUF's blocks streamed through a `cp.async` ring in shared memory, was run in
+// session 60 and removed (H200: 7B head 138.1 µs at 2 stages, 168.5 at 3, against 142.5 here;
+// 7B down 24.8 and 29.7 against 23.0; 1.5B head 82.4 against 73.7).
 #include "decode.cu"
 #include "bench_common.cuh"
 #include <algorithm>
@@ -91,58 +93,6 @@ __global__ void __launch_bounds__(256, 3) q6_rows(BenchArgs a) {
     }
 }
 
-// Session 59: the engine's walk (`dot_q6_k_q8<2, true>`) over GGUF's blocks copied into shared
-// memory first, through a ring of STAGES row pairs a warp (as gate/up's Q4_K rows stream,
-// `q4k_gated_ring`): each row's slice goes as 16-byte `cp.async` copies from the 16-byte boundary
-// at or below its start (so up to 15 bytes before it and after it; a 16-byte unit with any of the
-// row's bytes lies on a mapped page), and the lane reads it at the same offset modulo 16, so the
-// 2-byte alignment and its funnel shifts stay, but on shared memory rather than L1.
-// A row slot: the slice's bytes from the boundary below to the one above, 16-byte aligned.
-__host__ __device__ inline size_t q6_ring_row_bytes(int kn) { return ((size_t)kn / 256 * 210 + 15) / 16 * 16 + 16; }
-template <int STAGES>
-__global__ void __launch_bounds__(256, 2) q6_rows_ring(BenchArgs a) {
-    extern __shared__ float4 smem4[];
-    int8_t* x8 = reinterpret_cast<int8_t*>(smem4);
-    float* dx = reinterpret_cast<float*>(x8 + a.slice);
-    uint8_t* ring = reinterpret_cast<uint8_t*>(dx + a.slice / 32);
-    int k0 = blockIdx.y * a.slice, kn = min(a.slice, a.cols - k0);
-    int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    size_t rb = q6_ring_row_bytes(a.slice), copy = (size_t)kn / 256 * 210;
-    auto slot = [&](int s, int rr) { return ring + ((size_t)(s * warps + warp) * 2 + rr) * rb; };
-    auto issue = [&](int s, int r) {
-        if (r < a.rows) {
-#pragma unroll
-            for (int rr = 0; rr < 2; rr++) {
-                const uint8_t* src = row_at(a.w, FMT_Q6_K, r + rr, a.cols, k0);
-                const uint8_t* from = reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(src) & ~(uintptr_t)15);
-                size_t units = (size_t)(src + copy - from + 15) / 16;
-                for (size_t u = lane; u < units; u += 32) cp_async16(slot(s, rr) + 16 * u, from + 16 * u);
-            }
-        }
-        cp_async_commit();
-    };
-    int first = 2 * (blockIdx.x * warps + warp), stride = 2 * gridDim.x * warps;
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; s++) issue(s, first + s * stride);
-    for (int i = threadIdx.x; i < kn / 4; i += blockDim.x) reinterpret_cast<int*>(x8)[i] = reinterpret_cast<const int*>(a.x8 + k0)[i];
-    for (int i = threadIdx.x; i < kn / 32; i += blockDim.x) dx[i] = a.dx[k0 / 32 + i];
-    __syncthreads();
-    int i = 0;
-    for (int r = first; r < a.rows; r += stride, i++) {
-        issue((i + STAGES - 1) % STAGES, r + (STAGES - 1) * stride);
-        cp_async_wait<STAGES - 1>();
-        __syncwarp();
-        const uint8_t* rows[2];
-#pragma unroll
-        for (int rr = 0; rr < 2; rr++) rows[rr] = slot(i % STAGES, rr) + (reinterpret_cast<uintptr_t>(row_at(a.w, FMT_Q6_K, r + rr, a.cols, k0)) & 15);
-        float y[2];
-        dot_q6_k_q8<2, true>(rows, kn, x8, dx, y);
-        if (lane == 0) a.out[(size_t)blockIdx.y * a.rows + r] = y[0], a.out[(size_t)blockIdx.y * a.rows + r + 1] = y[1];
-        __syncwarp();
-    }
-    cp_async_wait<0>();
-}
-
 int main() {
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -197,20 +147,6 @@ int main() {
             launch(0);
             double check = checksum(out, (size_t)slices * c.rows);
             printf("%-10s %-20s %7.1f us  %6.0f GB/s  (%.1f MB, grid %dx%d)  check %.6e\n", c.name, split ? "split by field" : "GGUF blocks", us, bytes / us / 1e3, bytes / 1e6, blocks_x, slices, check);
-        }
-        for (int stages = 2; stages <= 3; stages++) {  // GGUF blocks through a ring in shared memory
-            auto kernel = stages == 2 ? q6_rows_ring<2> : q6_rows_ring<3>;
-            size_t ring_smem = smem + (size_t)stages * 8 * 2 * q6_ring_row_bytes(slice);
-            int per_sm = std::min(2, (int)((227u << 10) / (ring_smem + 1024)));
-            if (per_sm < 1) continue;
-            CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ring_smem));
-            int ring_x = std::max(1, per_sm * sms / slices);
-            auto launch = [&](int k) { launch_overlapping(kernel, dim3(ring_x, slices), dim3(256), ring_smem, args[k]); };
-            double us = us_per_launch(launch, copies, std::max(copies * 4, 64));
-            CK(cudaMemset(out, 0, (size_t)slices * c.rows * 4));
-            launch(0);
-            double check = checksum(out, (size_t)slices * c.rows);
-            printf("%-10s ring of %d stages     %7.1f us  %6.0f GB/s  (%.1f MB, grid %dx%d)  check %.6e\n", c.name, stages, us, bytes / us / 1e3, bytes / 1e6, ring_x, slices, check);
         }
         for (BenchArgs& a : args) {
             cudaFree(const_cast<uint8_t*>(a.w));
