@@ -1,7 +1,7 @@
 // bench_common.cuh — what the standalone kernel harnesses (mv_bench.cu, attend_bench.cu,
 // attend_short_bench.cu, pick_check.cu, q6k_layout_bench.cu, chain_floor_bench.cu) share: a CUDA call checked, the step tags launches read, a launch that may overlap
 // the previous kernel (as the engine's), the mean time of a launch, a checksum of a device buffer
-// that builds can be compared by, an integer from the environment, random values in [-1, 1], and random weights in each format. Included after decode.cu (its formats and `fmt_bytes`). Nothing else: each harness sets
+// that builds can be compared by, an integer from the environment (BENCH_SERIAL=1: launches in plain stream order), random values in [-1, 1], and random weights in each format. Included after decode.cu (its formats and `fmt_bytes`). Nothing else: each harness sets
 // up its own shapes and arguments.
 #pragma once
 #include <cstdio>
@@ -24,6 +24,9 @@ inline unsigned long long* launch_tags(size_t n) {
     return tags;
 }
 
+// An integer from the environment, or `fallback`.
+inline int env_int(const char* name, int fallback) { return getenv(name) ? atoi(getenv(name)) : fallback; }
+
 // µs a launch: `launch(k)` once for each of `copies` (warming them), then `iters` times round them.
 template <typename Launch>
 double us_per_launch(Launch launch, int copies, int iters) {
@@ -44,9 +47,12 @@ double us_per_launch(Launch launch, int copies, int iters) {
 }
 
 // One launch as the engine makes it on Hopper: allowed to start while the previous kernel
-// finishes (programmatic stream serialization).
+// finishes (programmatic stream serialization). BENCH_SERIAL=1: in plain stream order instead, so
+// that a launch's time includes its ramp and its tail, as the step's last launch (the LM head)
+// pays them with nothing of its own kind beside it.
 template <typename Args>
 inline void launch_overlapping(void (*kernel)(Args), dim3 grid, dim3 block, size_t smem, Args a, cudaStream_t stream = 0) {
+    static const bool serial = env_int("BENCH_SERIAL", 0) != 0;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
@@ -56,7 +62,7 @@ inline void launch_overlapping(void (*kernel)(Args), dim3 grid, dim3 block, size
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = &attr;
-    cfg.numAttrs = 1;
+    cfg.numAttrs = serial ? 0 : 1;
     CK(cudaLaunchKernelEx(&cfg, kernel, a));
 }
 
@@ -70,7 +76,6 @@ inline double checksum(const float* device_values, size_t n) {
 }
 
 // An integer from the environment, or `fallback`.
-inline int env_int(const char* name, int fallback) { return getenv(name) ? atoi(getenv(name)) : fallback; }
 
 // The next of a xorshift sequence's values in [-1, 1], steps of 0.001 (the attention benches'
 // caches and q/k/v).
