@@ -56,6 +56,8 @@ const FMT_BF16: i32 = 2;
 const FMT_Q8_0: i32 = 8;
 const FMT_Q4_K: i32 = 12;
 const FMT_Q6_K: i32 = 14;
+/// Values in a step of `dot_q4_k_q8`'s Q4_K rows (decode.cu's `Q4_PER_STEP` blocks of 256).
+const Q4_STEP_VALUES: i32 = 8 * 256;
 
 const MODE_STORE: i32 = 0;
 const MODE_ADD: i32 = 1;
@@ -815,7 +817,7 @@ impl MvGrids {
         };
         // A 2-stage ring walks each slot's gate/up rows as one run where a row is not a whole
         // number of steps (8 Q4_K blocks: `mv_gated_q4_k_ring_2_run`).
-        let kernel = match (ring, args.stream, args.cols % 2048) {
+        let kernel = match (ring, args.stream, args.cols % Q4_STEP_VALUES) {
             (true, 2, 1..) => "mv_gated_q4_k_ring_2_run",
             _ => kernel,
         };
