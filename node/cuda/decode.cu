@@ -890,7 +890,7 @@ __device__ void store_q8_tagged(float* out, int n, int at, float v, unsigned tag
 // no barrier after it. One H200 (session 61, three alternating rounds, the same greedy tokens):
 // 1.5B f16 905.4 -> 910.1 tok/s, 7B f16 276.3 -> 277.5 (faster in every round). Not for int8
 // instances: theirs quantize x·w·(1/rms) as before (folded there too, with the input quantized as
-// it was loaded, their kernels spilled and the 1.5B Q4_K_M ran 2.2% slower).
+// it was loaded, their kernels spilled and the 1.5B Q4_K_M ran 2.3% slower).
 //
 // Before it waits for the previous kernel, each warp pulls the start of its first rows, which
 // depend on nothing, into L2.
