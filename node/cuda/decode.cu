@@ -1256,6 +1256,8 @@ __device__ void mv_rows(const MvArgs& a) {
                 // (Mixed launches one step at a time: two spilled 32 bytes beside the Q6_K walk.)
                 dot_q4_k_q8<1, F == FMT_ANY>(&row, kn, in.x8, in.dx, in.xsum, &y, use_pre, q4first);
             } else if (Q8) {
+                // (Four lanes a block, 16 bytes of each field a lane, was slower here: session 62,
+                // 1.5B down 7.44 -> 10.06 µs a layer, 7B q/k/v 8.26 -> 8.93; the log has it.)
                 const uint8_t* row = row_at(sg.w, FMT_Q6_K, lr, a.cols, k0);
                 dot_q6_k_q8<1>(&row, kn, in.x8, in.dx, &y);
             } else {
