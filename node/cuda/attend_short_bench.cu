@@ -5,8 +5,10 @@
 // they have in the engine. Prints, per shape, context, block size and q/k/v form (plain or tagged
 // words), the mean over blocks of each phase's cycles (the slowest warp's mark each time), their
 // sum from the q/k rotation on ("after": what follows the input's arrival) and a checksum of the
-// output. Built by scripts/build-cuda.sh; run on the GPU machine. Not a test: it
-// asserts nothing.
+// output. AS_FLUSH=1: before each launch, a kernel of 256 KB of straight-line code runs on every
+// SM, so that the kernel under test starts with its code out of the instruction caches, as in the
+// engine, where the matrix kernels' code runs between two attention launches. Built by
+// scripts/build-cuda.sh; run on the GPU machine. Not a test: it asserts nothing.
 #define ATTEND_PHASES
 #ifndef DECODE_CU
 #define DECODE_CU "decode.cu"
@@ -17,6 +19,14 @@
 
 struct Shape { const char* name; int heads, kv_heads, d; };
 
+// 16,384 dependent FMAs, unrolled: 256 KB of SASS, more than the instruction caches hold.
+__global__ void flush_instruction_caches(float* p) {
+    float x = p[threadIdx.x];
+#pragma unroll
+    for (int i = 0; i < 16384; i++) asm volatile("fma.rn.f32 %0, %0, %0, %0;" : "+f"(x));
+    p[threadIdx.x] = x;
+}
+
 int main() {
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
@@ -24,6 +34,10 @@ int main() {
     CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
     printf("device: %s, %d SMs, max SM clock %.0f MHz (cycles below; µs at that clock)\n", prop.name, prop.multiProcessorCount, clock_khz / 1e3);
     long long spin = env_int("AS_SPIN", 12000);
+    bool flush = env_int("AS_FLUSH", 0) != 0;
+    float* scratch;
+    CK(cudaMalloc(&scratch, 128 * sizeof(float)));
+    CK(cudaMemset(scratch, 0, 128 * sizeof(float)));
     CK(cudaMemcpyToSymbol(attend_spin_cycles, &spin, sizeof spin));
     const Shape shapes[] = {{"1.5B", 12, 2, 128}, {"7B", 28, 4, 128}};
     const int contexts[] = {32, 128};
@@ -82,6 +96,7 @@ int main() {
                     const int reps = 20;
                     for (int r = 0; r < reps; r++) {
                         CK(cudaMemset(out, 0, s.heads * d * 8));
+                        if (flush) flush_instruction_caches<<<2 * prop.multiProcessorCount, 128>>>(scratch);
                         attend_d128<<<s.heads, threads>>>(a);
                         CK(cudaDeviceSynchronize());
                         CK(cudaGetLastError());
