@@ -5,8 +5,8 @@
 // they have in the engine. Prints, per shape, context, block size and q/k/v form (plain or tagged
 // words), the mean over blocks of each phase's cycles (the slowest warp's mark each time), their
 // sum from the q/k rotation on ("after": what follows the input's arrival) and a checksum of the
-// output. AS_FLUSH=1: before each launch, a kernel of 256 KB of straight-line code runs on every
-// SM, so that the kernel under test starts with its code out of the instruction caches, as in the
+// output. AS_FLUSH=1: before each launch, a kernel of 128 KB of straight-line code runs, two
+// blocks an SM, to push the kernel under test's code out of the instruction caches, as in the
 // engine, where the matrix kernels' code runs between two attention launches. Built by
 // scripts/build-cuda.sh; run on the GPU machine. Not a test: it asserts nothing.
 #define ATTEND_PHASES
@@ -19,7 +19,7 @@
 
 struct Shape { const char* name; int heads, kv_heads, d; };
 
-// 16,384 dependent FMAs, unrolled: 256 KB of SASS, more than the instruction caches hold.
+// 16,384 dependent FMAs, unrolled: a 128 KB .text section for sm_90.
 __global__ void flush_instruction_caches(float* p) {
     float x = p[threadIdx.x];
 #pragma unroll
