@@ -124,7 +124,8 @@ pub fn quantize_hf_dir(src: &Path, dst: &Path, kind: QuantKind) -> Result<Quanti
 
     // Every tensor the engine reads, with its GGUF name and target type.
     let mut jobs: Vec<(Role, usize)> = vec![(Role::Embed, 0), (Role::FinalNorm, 0)];
-    if source.weights.contains(Role::LmHead, 0) && !spec.tie_embeddings {
+    let separate_head = source.weights.contains(Role::LmHead, 0) && !spec.tie_embeddings;
+    if separate_head {
         jobs.push((Role::LmHead, 0));
     }
     let layer_roles = [Role::AttnNorm, Role::Q, Role::K, Role::V, Role::O, Role::QBias, Role::KBias, Role::VBias, Role::QNorm, Role::KNorm, Role::FfnNorm, Role::Gate, Role::Up, Role::Down];
@@ -146,7 +147,7 @@ pub fn quantize_hf_dir(src: &Path, dst: &Path, kind: QuantKind) -> Result<Quanti
             if rope_permute && matches!(role, Role::Q | Role::K) {
                 t = permute_for_interleaved_rope(&t, if role == Role::Q { heads } else { kv_heads })?;
             }
-            let dtype = target_type(kind, role, layer, layers, t.dims());
+            let dtype = target_type(kind, role, layer, layers, t.dims(), !separate_head);
             Ok((gguf_name(role, layer), quantize_rows(&t, dtype, CHUNK_VALUES)?))
         })
         .collect::<Result<Vec<_>>>()?;
@@ -207,10 +208,12 @@ fn quantize_rows(t: &Tensor, dtype: GgmlDType, chunk_values: usize) -> Result<QT
     Ok(QTensor::new(storage, dims)?)
 }
 
-/// llama.cpp's Q4_K_M mix: vectors f32; the LM head Q6_K; attn_v and ffn_down Q6_K in the first
-/// and last eighth of the layers and every third layer between; other matrices Q4_K. A matrix
-/// whose rows do not split into whole blocks falls back to Q8_0, then F16.
-fn target_type(kind: QuantKind, role: Role, layer: usize, layers: usize, dims: &[usize]) -> GgmlDType {
+/// llama.cpp's Q4_K_M mix: vectors f32; the LM head Q6_K, and so the embedding table where it is
+/// also the head (tied embeddings, as llama.cpp quantizes a table it finds no `output.weight`
+/// beside); attn_v and ffn_down Q6_K in the first and last eighth of the layers and every third
+/// layer between; other matrices Q4_K. A matrix whose rows do not split into whole blocks falls
+/// back to Q8_0, then F16.
+fn target_type(kind: QuantKind, role: Role, layer: usize, layers: usize, dims: &[usize], embed_is_head: bool) -> GgmlDType {
     if dims.len() < 2 {
         return GgmlDType::F32;
     }
@@ -222,6 +225,7 @@ fn target_type(kind: QuantKind, role: Role, layer: usize, layers: usize, dims: &
             let more_bits = layer < layers / 8 || layer >= 7 * layers / 8 || (layer - layers / 8) % 3 == 2;
             match role {
                 Role::LmHead => GgmlDType::Q6K,
+                Role::Embed if embed_is_head => GgmlDType::Q6K,
                 Role::V | Role::Down if more_bits => GgmlDType::Q6K,
                 _ => GgmlDType::Q4K,
             }
@@ -242,6 +246,24 @@ fn permute_for_interleaved_rope(w: &Tensor, heads: usize) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn q4_k_m_mix_follows_llama_cpp() {
+        let q4km = |role, layer, embed_is_head| target_type(QuantKind::Q4KM, role, layer, 28, &[1536, 1536], embed_is_head);
+        // The head is Q6_K; so is a tied embedding table (it is the head), not an untied one.
+        assert_eq!(q4km(Role::LmHead, 0, false), GgmlDType::Q6K);
+        assert_eq!(q4km(Role::Embed, 0, true), GgmlDType::Q6K);
+        assert_eq!(q4km(Role::Embed, 0, false), GgmlDType::Q4K);
+        // 14 of 28 layers take Q6_K v and down rows, as in Qwen2.5-1.5B's published Q4_K_M GGUF.
+        let more_bits: Vec<usize> = (0..28).filter(|&l| q4km(Role::Down, l, false) == GgmlDType::Q6K).collect();
+        assert_eq!(more_bits, [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26, 27]);
+        assert!((0..28).all(|l| q4km(Role::V, l, false) == q4km(Role::Down, l, false)));
+        assert!((0..28).all(|l| q4km(Role::Gate, l, true) == GgmlDType::Q4K && q4km(Role::Q, l, true) == GgmlDType::Q4K));
+        // Vectors stay f32; rows that are not whole Q4_K blocks fall back to Q8_0, then F16.
+        assert_eq!(target_type(QuantKind::Q4KM, Role::AttnNorm, 0, 28, &[1536], false), GgmlDType::F32);
+        assert_eq!(target_type(QuantKind::Q4KM, Role::Q, 0, 28, &[64, 96], false), GgmlDType::Q8_0);
+        assert_eq!(target_type(QuantKind::Q4KM, Role::Q, 0, 28, &[64, 100], false), GgmlDType::F16);
+    }
 
     #[test]
     fn row_chunks_quantize_to_the_same_bytes_as_the_whole_matrix() {
