@@ -1236,8 +1236,8 @@ __device__ void mv_rows(const MvArgs& a) {
             float y[2];
             // (Each pair walked as one run of 2·nb blocks, one row's step at a time, as the 1.5B's
             // gate/up pairs are, was slower: session 66, LM head work 74 -> 84 µs on the 1.5B
-            // (6 blocks a row), 139 -> 173 on the 7B (14): a step's input loads then serve one
-            // row, not two.)
+            // (6 blocks a row), 139 -> 173 on the 7B (14): a pair's loads then take twice the
+            // rounds, and a step's input loads serve one row, not two.)
             if (F == FMT_Q6_K) dot_q6_k_q8<2>(rows, kn, in.x8, in.dx, y);
             else if (Q8) dot_q4_k_q8<2>(rows, kn, in.x8, in.dx, in.xsum, y, use_pre, q4first);
             else dot_q4_k<2>(rows, kn, in.xp, in.xsum, y);
