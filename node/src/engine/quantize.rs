@@ -254,7 +254,9 @@ mod tests {
         assert_eq!(q4km(Role::LmHead, 0, false), GgmlDType::Q6K);
         assert_eq!(q4km(Role::Embed, 0, true), GgmlDType::Q6K);
         assert_eq!(q4km(Role::Embed, 0, false), GgmlDType::Q4K);
-        // 14 of 28 layers take Q6_K v and down rows, as in Qwen2.5-1.5B's published Q4_K_M GGUF.
+        // 14 of 28 layers take Q6_K v and down rows by llama.cpp's rule. (The published
+        // Qwen2.5-Coder-1.5B Q4_K_M file also has 14, at other layers: llama.cpp counted them in
+        // its tensors' name order, blk.10 before blk.2.)
         let more_bits: Vec<usize> = (0..28).filter(|&l| q4km(Role::Down, l, false) == GgmlDType::Q6K).collect();
         assert_eq!(more_bits, [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 24, 25, 26, 27]);
         assert!((0..28).all(|l| q4km(Role::V, l, false) == q4km(Role::Down, l, false)));
