@@ -647,6 +647,18 @@ __device__ __forceinline__ void two_steps_at_a_time(const int& b, int nb, Load l
     }
 }
 
+// The same one step at a time (for walks whose loads of one step already fill the registers).
+template <typename Loads, int PER = 4, typename Load, typename Use, typename Advance>
+__device__ __forceinline__ void one_step_at_a_time(const int& b, int nb, Load load, Use use, Advance advance) {
+    for (int warp_b = b - (threadIdx.x & 31) / (32 / PER); warp_b < nb; warp_b += PER, advance(1)) {
+        if (b < nb) {
+            Loads l;
+            load(0, l);
+            use(0, l);
+        }
+    }
+}
+
 // One block of a lane's Q6_K row in `dot_q6_k_q8`: its 8 low-nibble bytes at l0 and at l0 + 32
 // (qa, qb), 8 high-bit-pair bytes (qh), the 8 scales of its half (sc) and d.
 struct Q6Loads {
@@ -746,7 +758,10 @@ __device__ __forceinline__ void dot_q6_k_q8(const uint8_t* const* rows, int cols
         db += steps * 32;
         b += steps * 4;
     };
-    two_steps_at_a_time<Q6Loads[R]>(b, nb, load, use, advance);
+    // Four rows a warp one step at a time: as many loads in flight as two rows two steps at a
+    // time, and each step's input loads serve four rows.
+    if constexpr (R >= 4) one_step_at_a_time<Q6Loads[R]>(b, nb, load, use, advance);
+    else two_steps_at_a_time<Q6Loads[R]>(b, nb, load, use, advance);
 #pragma unroll
     for (int rr = 0; rr < R; rr++) out[rr] = warp_sum(acc[rr]);
 }
@@ -1111,7 +1126,8 @@ __device__ void pick_greedy(const MvArgs& a, int total, int span) {
 // PAIRS (instances of their own for their registers): Q4_K or Q6_K rows two a warp.
 // Q8: int8 activations (`q4k` = 2) for Q4_K and Q6_K rows (with FMT_ANY: matrices of both).
 #define MV_MAX_WARPS 16  // the `mv` launches' 256 or 512 threads
-template <int F, bool PAIRS = false, bool Q8 = false>
+// QUADS (Q6_K with int8 activations, `a.pairs` = 2): rows four a warp (`dot_q6_k_q8<4>`).
+template <int F, bool PAIRS = false, bool Q8 = false, bool QUADS = false>
 __device__ void mv_rows(const MvArgs& a) {
     static_assert(!PAIRS || F == FMT_Q4_K || F == FMT_Q6_K && Q8, "pairs: Q4_K rows, or Q6_K rows with int8 activations");
     extern __shared__ float4 xs4[];  // float4: 16-byte aligned for the vector loads
@@ -1232,6 +1248,16 @@ __device__ void mv_rows(const MvArgs& a) {
             int lr = r;
             Seg sg = seg_of_row(a, &lr);
             const uint8_t* row0 = row_at(sg.w, F, lr, a.cols, k0);
+            if (QUADS) {
+                const uint8_t* rows[4];
+                float y[4];
+#pragma unroll
+                for (int k = 0; k < 4; k++) rows[k] = row0 + k * fmt_bytes(F, a.cols);
+                dot_q6_k_q8<4>(rows, kn, in.x8, in.dx, y);
+#pragma unroll
+                for (int k = 0; k < 4; k++) put(r + k, k & 1, false, y[k]);
+                return;
+            }
             const uint8_t* rows[2] = {row0, row0 + fmt_bytes(F, a.cols)};
             float y[2];
             // (Each pair walked as one run of 2·nb blocks, one row's step at a time, as the 1.5B's
@@ -1244,7 +1270,8 @@ __device__ void mv_rows(const MvArgs& a) {
             put(r, 0, use_pre, y[0]);
             put(r + 1, 1, use_pre, y[1]);
         };
-        int r = 2 * first, stride = 2 * gridDim.x * warps;
+        constexpr int PER_WARP = QUADS ? 4 : 2;
+        int r = PER_WARP * first, stride = PER_WARP * gridDim.x * warps;
         if (q4pre) {  // peeled, so that `q4first` is dead in the loop
             pair(r, true);
             r += stride;
@@ -1595,6 +1622,8 @@ extern "C" __global__ void __launch_bounds__(512, 2) mv_q4_k_q8_pairs(MvArgs a) 
 extern "C" __global__ void __launch_bounds__(512, 2) mv_q6_k_q8(MvArgs a) { mv_rows<FMT_Q6_K, false, true>(a); }
 // Q6_K pairs hold both rows' loads in registers: 3 blocks an SM (at 4 they spill).
 extern "C" __global__ void __launch_bounds__(256, 3) mv_q6_k_q8_pairs(MvArgs a) { mv_rows<FMT_Q6_K, true, true>(a); }
+// Q6_K rows four a warp, one step at a time (`SHOAL_FUSED_Q6_QUADS`).
+extern "C" __global__ void __launch_bounds__(256, 3) mv_q6_k_q8_quads(MvArgs a) { mv_rows<FMT_Q6_K, true, true, true>(a); }
 // Q4_K and Q6_K matrices in one launch (q/k/v with a Q6_K v), int8 activations.
 extern "C" __global__ void __launch_bounds__(512, 2) mv_any_q8(MvArgs a) { mv_rows<FMT_ANY, false, true>(a); }
 

@@ -769,6 +769,9 @@ struct MvGrids {
     /// the 1.5B's down (1.8). One H200 (session 54, two rounds, 7B Q4_K_M): 16 (heads only)
     /// 508.6 / 512.9 -> 4: 515.1 / 515.3 tok/s; its trace's Q6_K downs 24.5 -> 23.1 µs a layer.
     q6_pairs_rows: u32,
+    /// Whether those Q6_K launches take their rows four a warp (`mv_q6_k_q8_quads`,
+    /// `SHOAL_FUSED_Q6_QUADS=1`).
+    q6_quads: bool,
     /// Whether o's launch (the one taking attention's values as int8, `tag_in` 2) takes its Q4_K
     /// rows two a warp however many warps its grid has (`o_in_pairs`).
     o_pairs: bool,
@@ -806,6 +809,9 @@ impl MvGrids {
         let many_rows = rows >= cap.saturating_mul(warps).saturating_mul(self.q6_pairs_rows);
         let q6_pairs = self.q6_pairs_blocks > 0 && kernel == "mv_q6_k" && args.q4k == 2 && many_rows && even;
         let pairs = i32::from(q4_pairs || q6_pairs || (self.mv_pairs && matches!(kernel, "mv_f16" | "mv_bf16") && more_rows_than_warps));
+        // Q6_K rows four a warp instead (`mv_q6_k_q8_quads`) where every matrix's rows come in fours.
+        let q6_quads = q6_pairs && self.q6_quads && args.seg[..args.nseg as usize].iter().all(|s| s.rows % 4 == 0);
+        let pairs = if q6_quads { 2 } else { pairs };
         let kernel = match (kernel, q4_pairs || q6_pairs, args.q4k == 2) {
             ("mv_q4_k", true, true) => "mv_q4_k_q8_pairs",
             ("mv_q4_k", false, true) => "mv_q4_k_q8",
@@ -821,6 +827,7 @@ impl MvGrids {
             (true, 2, 1..) => "mv_gated_q4_k_ring_2_run",
             _ => kernel,
         };
+        let kernel = if q6_quads { "mv_q6_k_q8_quads" } else { kernel };
         let (cap, warps) = if q6_pairs { ((self.q6_pairs_blocks / slices).max(1), MV_THREADS / 32) } else { (cap, warps) };
         let blocks = rows.div_ceil(warps << pairs).clamp(1, cap);
         MvShape { kernel, pairs, blocks, slices, threads: warps * 32 }
@@ -1210,6 +1217,7 @@ impl FusedDecode {
             q4_pairs: mv_pairs && tuned("Q4_PAIRS", 1) != 0,
             q6_pairs_blocks: if mv_pairs && tuned("Q6_PAIRS", 1) != 0 { sms * 3 } else { 0 },
             q6_pairs_rows: tuned("Q6_PAIRS_ROWS", 4).max(1),
+            q6_quads: tuned("Q6_QUADS", 0) != 0,
             o_pairs: false,  // (set once the ring's grid is known, below)
         };
         let smem_per_sm = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR).map_err(driver)? as usize;
@@ -1385,7 +1393,7 @@ impl FusedDecode {
                 // `mv_any` its int8 one (decided at launch).
                 let names: &[&'static str] = match kernel {
                     "mv_q4_k" => &["mv_q4_k", "mv_q4_k_pairs", "mv_q4_k_q8", "mv_q4_k_q8_pairs"],
-                    "mv_q6_k" => &["mv_q6_k", "mv_q6_k_q8", "mv_q6_k_q8_pairs"],
+                    "mv_q6_k" => &["mv_q6_k", "mv_q6_k_q8", "mv_q6_k_q8_pairs", "mv_q6_k_q8_quads"],
                     "mv_any" => &["mv_any", "mv_any_q8"],
                     "mv_gated_q4_k_ring" => &["mv_gated_q4_k_ring", "mv_gated_q4_k_ring_2_run"],
                     _ => &[kernel],
@@ -1763,7 +1771,7 @@ mod tests {
 
     /// An H100's grids (132 SMs) with every pairing on, as `FusedDecode::build` sets them.
     fn h100() -> MvGrids {
-        MvGrids { mv_blocks: 132 * 4, mv_warps: 16, ring_blocks: 132 * 3, mv_pairs: true, q4_pairs: true, q6_pairs_blocks: 132 * 3, q6_pairs_rows: 4, o_pairs: false }
+        MvGrids { mv_blocks: 132 * 4, mv_warps: 16, ring_blocks: 132 * 3, mv_pairs: true, q4_pairs: true, q6_pairs_blocks: 132 * 3, q6_pairs_rows: 4, q6_quads: false, o_pairs: false }
     }
 
     /// A down launch (`rows` x `cols`, one matrix of `fmt`, added into the residual) as planned:
