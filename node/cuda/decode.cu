@@ -1622,7 +1622,8 @@ extern "C" __global__ void __launch_bounds__(512, 2) mv_q4_k_q8_pairs(MvArgs a) 
 extern "C" __global__ void __launch_bounds__(512, 2) mv_q6_k_q8(MvArgs a) { mv_rows<FMT_Q6_K, false, true>(a); }
 // Q6_K pairs hold both rows' loads in registers: 3 blocks an SM (at 4 they spill).
 extern "C" __global__ void __launch_bounds__(256, 3) mv_q6_k_q8_pairs(MvArgs a) { mv_rows<FMT_Q6_K, true, true>(a); }
-// Q6_K rows four a warp, one step at a time (`SHOAL_FUSED_Q6_QUADS`).
+// Q6_K rows four a warp, one step at a time (the default for the pairs' launches since session 66;
+// `SHOAL_FUSED_Q6_QUADS=0`: two a warp).
 extern "C" __global__ void __launch_bounds__(256, 3) mv_q6_k_q8_quads(MvArgs a) { mv_rows<FMT_Q6_K, true, true, true>(a); }
 // Q4_K and Q6_K matrices in one launch (q/k/v with a Q6_K v), int8 activations.
 extern "C" __global__ void __launch_bounds__(512, 2) mv_any_q8(MvArgs a) { mv_rows<FMT_ANY, false, true>(a); }

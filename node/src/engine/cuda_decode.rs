@@ -769,8 +769,10 @@ struct MvGrids {
     /// the 1.5B's down (1.8). One H200 (session 54, two rounds, 7B Q4_K_M): 16 (heads only)
     /// 508.6 / 512.9 -> 4: 515.1 / 515.3 tok/s; its trace's Q6_K downs 24.5 -> 23.1 µs a layer.
     q6_pairs_rows: u32,
-    /// Whether those Q6_K launches take their rows four a warp (`mv_q6_k_q8_quads`,
-    /// `SHOAL_FUSED_Q6_QUADS=1`).
+    /// Whether those Q6_K launches take their rows four a warp, one step at a time
+    /// (`mv_q6_k_q8_quads`; `SHOAL_FUSED_Q6_QUADS=0`: two a warp). One H200 (session 66, two
+    /// alternating rounds): 7B Q4_K_M 536.3 / 540.9 -> 548.4 / 549.2 tok/s, 1.5B Q4_K_M (Q6_K
+    /// head) 1,132.8 / 1,153.2 -> 1,144.4 / 1,164.2; the 1.5B's head 84.5 -> 74.4 µs.
     q6_quads: bool,
     /// Whether o's launch (the one taking attention's values as int8, `tag_in` 2) takes its Q4_K
     /// rows two a warp however many warps its grid has (`o_in_pairs`).
@@ -1217,7 +1219,7 @@ impl FusedDecode {
             q4_pairs: mv_pairs && tuned("Q4_PAIRS", 1) != 0,
             q6_pairs_blocks: if mv_pairs && tuned("Q6_PAIRS", 1) != 0 { sms * 3 } else { 0 },
             q6_pairs_rows: tuned("Q6_PAIRS_ROWS", 4).max(1),
-            q6_quads: tuned("Q6_QUADS", 0) != 0,
+            q6_quads: tuned("Q6_QUADS", 1) != 0,
             o_pairs: false,  // (set once the ring's grid is known, below)
         };
         let smem_per_sm = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR).map_err(driver)? as usize;
