@@ -810,14 +810,15 @@ impl MvGrids {
         // (the 1.5B's down) the fewer blocks cost more than the pairs save.
         let many_rows = rows >= cap.saturating_mul(warps).saturating_mul(self.q6_pairs_rows);
         let q6_pairs = self.q6_pairs_blocks > 0 && kernel == "mv_q6_k" && args.q4k == 2 && many_rows && even;
-        let pairs = i32::from(q4_pairs || q6_pairs || (self.mv_pairs && matches!(kernel, "mv_f16" | "mv_bf16") && more_rows_than_warps));
-        // Q6_K rows four a warp instead (`mv_q6_k_q8_quads`) where every matrix's rows come in fours.
+        // Those Q6_K rows go four a warp instead (`mv_q6_k_q8_quads`, `pairs` 2) where every
+        // matrix's rows come in fours.
         let q6_quads = q6_pairs && self.q6_quads && args.seg[..args.nseg as usize].iter().all(|s| s.rows % 4 == 0);
-        let pairs = if q6_quads { 2 } else { pairs };
+        let pairs = if q6_quads { 2 } else { i32::from(q4_pairs || q6_pairs || (self.mv_pairs && matches!(kernel, "mv_f16" | "mv_bf16") && more_rows_than_warps)) };
         let kernel = match (kernel, q4_pairs || q6_pairs, args.q4k == 2) {
             ("mv_q4_k", true, true) => "mv_q4_k_q8_pairs",
             ("mv_q4_k", false, true) => "mv_q4_k_q8",
             ("mv_q4_k", true, false) => "mv_q4_k_pairs",
+            ("mv_q6_k", true, true) if q6_quads => "mv_q6_k_q8_quads",
             ("mv_q6_k", true, true) => "mv_q6_k_q8_pairs",
             ("mv_q6_k", false, true) => "mv_q6_k_q8",
             ("mv_any", _, true) => "mv_any_q8",
@@ -829,7 +830,6 @@ impl MvGrids {
             (true, 2, 1..) => "mv_gated_q4_k_ring_2_run",
             _ => kernel,
         };
-        let kernel = if q6_quads { "mv_q6_k_q8_quads" } else { kernel };
         let (cap, warps) = if q6_pairs { ((self.q6_pairs_blocks / slices).max(1), MV_THREADS / 32) } else { (cap, warps) };
         let blocks = rows.div_ceil(warps << pairs).clamp(1, cap);
         MvShape { kernel, pairs, blocks, slices, threads: warps * 32 }
@@ -1773,7 +1773,7 @@ mod tests {
 
     /// An H100's grids (132 SMs) with every pairing on, as `FusedDecode::build` sets them.
     fn h100() -> MvGrids {
-        MvGrids { mv_blocks: 132 * 4, mv_warps: 16, ring_blocks: 132 * 3, mv_pairs: true, q4_pairs: true, q6_pairs_blocks: 132 * 3, q6_pairs_rows: 4, q6_quads: false, o_pairs: false }
+        MvGrids { mv_blocks: 132 * 4, mv_warps: 16, ring_blocks: 132 * 3, mv_pairs: true, q4_pairs: true, q6_pairs_blocks: 132 * 3, q6_pairs_rows: 4, q6_quads: true, o_pairs: false }
     }
 
     /// A down launch (`rows` x `cols`, one matrix of `fmt`, added into the residual) as planned:
@@ -1918,8 +1918,8 @@ mod tests {
     fn split_slices_give_every_warp_whole_passes_where_some_count_does() {
         let grids = h100();
         // Qwen2.5-7B's down (18,944 values, 3,584 rows): 7 slices of 2,816 values in f16, Q4_K and
-        // Q6_K, each a grid whose warps all take 3 row pairs (Q6_K: 4 pairs in blocks of 8 warps,
-        // 3 an SM), not 10 of 2,048.
+        // Q6_K, each a grid whose warps all take 3 row pairs (Q6_K: 2 row quads in blocks of 8
+        // warps, 3 an SM), not 10 of 2,048.
         for fmt in [FMT_F16, FMT_Q4_K, FMT_Q6_K] {
             let (kernel, args) = down(fmt, 3584, 18944);
             let slice = grids.split_slice(kernel, &args, 3584);
@@ -1927,7 +1927,7 @@ mod tests {
             let shape = grids.shape(kernel, &MvArgs { slice, ..args }, 3584);
             assert_eq!(shape.slices, 7);
             if fmt == FMT_Q6_K {
-                assert_eq!((shape.kernel, shape.pairs, shape.blocks, shape.threads), ("mv_q6_k_q8_pairs", 1, 56, 256));
+                assert_eq!((shape.kernel, shape.pairs, shape.blocks, shape.threads), ("mv_q6_k_q8_quads", 2, 56, 256));
             }
             let rows_a_pass = shape.blocks * ((shape.threads / 32) << shape.pairs);
             let last_pass = 3584 - (3584 - 1) / rows_a_pass * rows_a_pass;
@@ -1944,5 +1944,22 @@ mod tests {
                 assert_eq!(grids.shape(kernel, &MvArgs { slice, ..args }, 1536).kernel, "mv_q6_k_q8");
             }
         }
+    }
+
+    #[test]
+    fn q6_k_launches_of_many_rows_a_warp_take_them_four_a_warp_where_they_come_in_fours() {
+        let grids = h100();
+        // Qwen2.5-7B's LM head (152,064 x 3,584 Q6_K, rows whole): 396 blocks of 8 warps, 12
+        // passes of row quads.
+        let (kernel, args) = down(FMT_Q6_K, 152_064, 3584);
+        let head = MvArgs { mode: MODE_STORE, ..args };
+        let shape = grids.shape(kernel, &head, 152_064);
+        assert_eq!((shape.kernel, shape.pairs, shape.blocks, shape.threads), ("mv_q6_k_q8_quads", 2, 396, 256));
+        // Rows not in fours take them two a warp; so does `SHOAL_FUSED_Q6_QUADS=0`.
+        let (kernel, odd) = down(FMT_Q6_K, 152_066, 3584);
+        assert_eq!(grids.shape(kernel, &odd, 152_066).kernel, "mv_q6_k_q8_pairs");
+        let pairs = MvGrids { q6_quads: false, ..h100() };
+        let shape = pairs.shape(kernel, &head, 152_064);
+        assert_eq!((shape.kernel, shape.pairs, shape.blocks), ("mv_q6_k_q8_pairs", 1, 396));
     }
 }
