@@ -2,23 +2,25 @@
 //! the UI embedded by `api::assets` is always the tree's (rust-embed tracks the files it
 //! embedded but not files added later). With the `cuda` feature it also compiles
 //! `cuda/decode.cu` to PTX with nvcc (`NVCC`, else `$CUDA_ROOT/bin/nvcc`, else `nvcc` on PATH)
-//! for `CUDA_COMPUTE_CAP` (default 80; the driver JIT-compiles PTX for newer GPUs), and writes
-//! `decode_consts.rs`: the `attend_group` limits decode.cu `#define`s as plain numbers
-//! (`GRP_THREADS`, `GRP_TILE`, ...), so that the launcher sizes its grids and shared memory from
-//! the kernel's own figures. It generates nothing else.
+//! for `CUDA_COMPUTE_CAP` (default 80; the driver JIT-compiles PTX for newer GPUs). With or
+//! without it, it writes `decode_consts.rs`: the `attend_group` limits decode.cu `#define`s as
+//! plain numbers (`GRP_THREADS`, `GRP_TILE`, ...), so that the launch planner sizes its grids and
+//! shared memory from the kernel's own figures. It generates nothing else.
 
 use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-changed=../web");
+    println!("cargo:rerun-if-changed=cuda/decode.cu");
+    // The launch planner (`engine::cuda_plan`) builds without the feature too, for its tests.
+    write_group_consts();
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
         compile_ptx();
     }
 }
 
 fn compile_ptx() {
-    println!("cargo:rerun-if-changed=cuda/decode.cu");
     for var in ["NVCC", "CUDA_ROOT", "CUDA_COMPUTE_CAP"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
@@ -32,7 +34,6 @@ fn compile_ptx() {
         .status()
         .unwrap_or_else(|e| panic!("running {nvcc} to compile cuda/decode.cu: {e} (set NVCC or CUDA_ROOT)"));
     assert!(status.success(), "{nvcc} failed on cuda/decode.cu");
-    write_group_consts();
 }
 
 /// `pub const GRP_...: u32 = N;` for each `#define GRP_... N` of decode.cu whose value is a number.

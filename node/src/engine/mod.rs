@@ -8,6 +8,7 @@ pub mod cache;
 pub mod chained;
 #[cfg(feature = "cuda")]
 pub mod cuda_decode;
+mod cuda_plan;
 pub mod op_timing;
 pub mod device;
 pub mod families;
