@@ -173,7 +173,8 @@ impl MvGrids {
         // Q4_K rows (`mv_q4_k_pairs`) of matrices with even numbers of rows, and o's int8 rows
         // whatever its grid where `o_pairs`.
         let more_rows_than_warps = rows > cap.saturating_mul(warps);
-        let even = args.seg[..args.nseg as usize].iter().all(|s| s.rows % 2 == 0);
+        let rows_come_in = |n: i32| args.seg[..args.nseg as usize].iter().all(|s| s.rows % n == 0);
+        let even = rows_come_in(2);
         let o_two_a_warp = self.o_pairs && args.tag_in == 2;
         let q4_pairs = self.q4_pairs && kernel == "mv_q4_k" && (more_rows_than_warps || o_two_a_warp) && even;
         // Q6_K pairs only where each warp has several rows (LM heads, a 7B's down): with a few
@@ -182,7 +183,7 @@ impl MvGrids {
         let q6_pairs = self.q6_pairs_blocks > 0 && kernel == "mv_q6_k" && args.q4k == 2 && many_rows && even;
         // Those Q6_K rows go four a warp instead (`mv_q6_k_q8_quads`, `pairs` 2) where every
         // matrix's rows come in fours.
-        let q6_quads = q6_pairs && self.q6_quads && args.seg[..args.nseg as usize].iter().all(|s| s.rows % 4 == 0);
+        let q6_quads = q6_pairs && self.q6_quads && rows_come_in(4);
         let pairs = if q6_quads { 2 } else { i32::from(q4_pairs || q6_pairs || (self.mv_pairs && matches!(kernel, "mv_f16" | "mv_bf16") && more_rows_than_warps)) };
         let kernel = match (kernel, q4_pairs || q6_pairs, args.q4k == 2) {
             ("mv_q4_k", true, true) => "mv_q4_k_q8_pairs",
