@@ -858,14 +858,15 @@ __device__ __forceinline__ void store_out(const MvArgs& a, int r, float y, unsig
 // between the two terms and the error grows with the nibbles' mean, as in llama.cpp's q8_1
 // blocks). A lane takes 4 values, so a warp quantizes 128 (four scales' worth) at a time. The
 // caller synchronizes the block before reading the results.
-__device__ void quantize_q8(const float* xf, int n, int8_t* x8, float* dx, float* xsum) {
+// `scale`: what the scales (and so the sums) are multiplied by; the int8 values do not depend on it.
+__device__ void quantize_q8(const float* xf, int n, int8_t* x8, float* dx, float* xsum, float scale = 1.f) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     for (int j = 128 * warp + 4 * lane; j < n; j += 128 * warps) {
         float4 v = *reinterpret_cast<const float4*>(xf + j);
         float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
         for (int o = 1; o < 8; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));  // the 8 lanes of a scale
-        float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        float d = amax / 127.f * scale, inv = amax > 0.f ? 127.f / amax : 0.f;
         int q0 = __float2int_rn(v.x * inv), q1 = __float2int_rn(v.y * inv), q2 = __float2int_rn(v.z * inv), q3 = __float2int_rn(v.w * inv);
         *reinterpret_cast<char4*>(x8 + j) = make_char4((signed char)q0, (signed char)q1, (signed char)q2, (signed char)q3);
         int sum = q0 + q1 + q2 + q3;
@@ -875,6 +876,17 @@ __device__ void quantize_q8(const float* xf, int n, int8_t* x8, float* dx, float
         if ((lane & 7) == 0) dx[j / 32] = d;
     }
 }
+
+// Whether a launch's input is RMSNormed where it is staged (tagged inputs are gate/up's and
+// attention's outputs, never normed).
+__device__ __forceinline__ bool normed_input(const MvArgs& a) { return a.norm_w && !a.tag_in; }
+
+// Where an int8 instance's staged input goes: `stage_q8`'s places, or the gate/up ring's.
+struct Q8Dest {
+    int8_t* x8;
+    float* dx;
+    float* xsum;
+};
 
 // One warp: the 32 values v (a lane each) from value `at` of a vector of n (at a multiple of 32)
 // as `quantize_q8` makes them, stored as tagged words for an int8 consumer that reads them
@@ -903,14 +915,21 @@ __device__ void store_q8_tagged(float* out, int n, int at, float v, unsigned tag
 // of each 16 values. FOLD: a normed input is staged as x·w, and RMSNorm's 1/rms is left for the
 // caller to multiply each product by (`staged_scale`): no second pass over the staged values and
 // no barrier after it. One H200 (session 61, three alternating rounds, the same greedy tokens):
-// 1.5B f16 905.4 -> 910.1 tok/s, 7B f16 276.3 -> 277.5 (faster in every round). Not for int8
-// instances: theirs quantize x·w·(1/rms) as before (folded there too, with the input quantized as
-// it was loaded, their kernels spilled and the 1.5B Q4_K_M ran 2.3% slower).
+// 1.5B f16 905.4 -> 910.1 tok/s, 7B f16 276.3 -> 277.5 (faster in every round).
+//
+// Q8 (int8 instances): a normed input is quantized into `q8` here, after the block sum, as x·w
+// with 1/rms multiplied into its scales (the same int8 values as x·w·(1/rms)), in place of a pass
+// multiplying the staged values by 1/rms and a barrier before `quantize_q8`; `normed_input` tells
+// the caller. Other inputs are staged as f32 for the caller to quantize. One H200 (session 68,
+// six alternating rounds over two calls): 7B Q4_K_M 547.0 -> 556.0 tok/s (+1.6%; faster in every
+// round), 1.5B Q4_K_M 1,147.0 -> 1,137.5 (-0.8%, within its rounds' spread of 1,123-1,161).
+// Quantized inside the load loop instead (before the block sum, session 61), the kernels' main
+// loops spilled and the 1.5B Q4_K_M ran 2.3% slower.
 //
 // Before it waits for the previous kernel, each warp pulls the start of its first rows, which
 // depend on nothing, into L2.
-template <bool FOLD = false>
-__device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int first, int total, float* xs) {
+template <bool FOLD = false, bool Q8 = false>
+__device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int first, int total, float* xs, Q8Dest q8 = Q8Dest{}) {
     __shared__ float scratch[32];
     int lane = threadIdx.x & 31;
     allow_next_kernel();
@@ -941,7 +960,7 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
     // The norm weights of this block's slice depend on no kernel: they go to xs before the wait,
     // each thread loading the values it will multiply (so no barrier is needed in between).
     // Four values a load (rows are whole 4-value blocks; k0 and kn are multiples of 256).
-    bool normed = a.norm_w && !a.tag_in;  // (tagged inputs are gate/up's and attention's outputs)
+    bool normed = normed_input(a);
     if (normed) {
         const float4* w4 = reinterpret_cast<const float4*>(a.norm_w);
         for (int j = threadIdx.x; j < a.cols / 4; j += blockDim.x) {
@@ -974,7 +993,8 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
         }
         ss = block_sum(ss, scratch);  // its barriers also publish xs
         float rinv = rsqrtf(ss / (float)a.cols + a.eps);
-        if (FOLD) scale = rinv;
+        if (Q8) quantize_q8(xs, kn, q8.x8, q8.dx, q8.xsum, rinv);
+        else if (FOLD) scale = rinv;
         else
             for (int j = threadIdx.x; j < kn; j += blockDim.x) xs[j] *= rinv;
     } else {
@@ -1050,18 +1070,23 @@ __device__ __forceinline__ void dot_q4_k_q8(const uint8_t* const* rows, int cols
 // The staged input of an int8 instance (`q4k` = 2): `in.xs` quantized into the space of the
 // reordered copy that f32 Q4_K instances use (kn + kn / 8 + kn / 4 of its 4 kn bytes): the int8
 // values (kn bytes), their scales (kn / 32 f32), then the sums of 16 (kn / 16 f32). With `tag_in`
-// = 2 the producer quantized them and `stage_input` put them there.
-__device__ __forceinline__ void stage_q8(const MvArgs& a, Staged& in, int kn) {
-    int8_t* x8 = reinterpret_cast<int8_t*>(const_cast<float*>(in.xp));
+// = 2 the producer quantized them and `stage_input` put them there; a normed input
+// `stage_input<FOLD, true>` quantized there itself (`normed_input`).
+__device__ __forceinline__ Q8Dest q8_places(float* xs, int kn) {
+    int8_t* x8 = reinterpret_cast<int8_t*>(xs + kn);
     float* dx = reinterpret_cast<float*>(x8 + kn);
-    float* xsum = dx + kn / 32;
-    if (a.tag_in != 2) {
-        quantize_q8(in.xs, kn, x8, dx, xsum);
+    return Q8Dest{x8, dx, dx + kn / 32};
+}
+
+__device__ __forceinline__ void stage_q8(const MvArgs& a, Staged& in, int kn) {
+    Q8Dest at = q8_places(const_cast<float*>(in.xs), kn);
+    if (a.tag_in != 2 && !normed_input(a)) {
+        quantize_q8(in.xs, kn, at.x8, at.dx, at.xsum);
         __syncthreads();
     }
-    in.x8 = x8;
-    in.dx = dx;
-    in.xsum = xsum;
+    in.x8 = at.x8;
+    in.dx = at.dx;
+    in.xsum = at.xsum;
 }
 
 // The q-th of the rows an `mv` block (column) took: `span` (its warps' rows) a pass, passes
@@ -1193,7 +1218,8 @@ __device__ void mv_rows(const MvArgs& a) {
     __shared__ float first_bias[MV_MAX_WARPS][2];
     float* my_first_bias = first_bias[threadIdx.x >> 5];
     if (lane == 0) my_first_bias[0] = bias_of(walk(first << a.pairs)), my_first_bias[1] = a.pairs ? bias_of((first << a.pairs) + 1) : 0.f;
-    Staged in = stage_input<!Q8>(a, k0, kn, false, preloaded ? total : walk(first << a.pairs), total, reinterpret_cast<float*>(xs4));
+    Staged in = stage_input<!Q8, Q8>(a, k0, kn, false, preloaded ? total : walk(first << a.pairs), total, reinterpret_cast<float*>(xs4),
+                                     q8_places(reinterpret_cast<float*>(xs4), kn));
     if (Q8) stage_q8(a, in, kn);
     // Row r's product y, the k-th of the warp's rows at a time (`first_rows`: its first ones).
     auto put = [&](int r, int k, bool first_rows, float y) {
@@ -1535,11 +1561,11 @@ __device__ void q4k_gated_ring(const MvArgs& a, uint8_t* smem) {
     for (int s = 0; s < STAGES - 1; s++) issue(s, first + s * stride);
     // The normed input, f32, in the last slot (its first copies go out in the loop below);
     // `q4k` is 0 for this kernel's launches, and first = rows skips the L2 prefetch of rows.
-    Staged in = stage_input(a, 0, cols, true, rows, rows, reinterpret_cast<float*>(ring + (size_t)(STAGES - 1) * slot_bytes));
-    const float* xf = in.xs;
-    // int8 with one scale per 32 values, and the sums of each 16 int8 values times their scale.
-    quantize_q8(xf, cols, x8, dx, xsum);
-    __syncthreads();
+    Staged in = stage_input<false, true>(a, 0, cols, true, rows, rows, reinterpret_cast<float*>(ring + (size_t)(STAGES - 1) * slot_bytes), Q8Dest{x8, dx, xsum});
+    if (!normed_input(a)) {  // int8 with one scale per 32 values, and the sums of each 16 int8 values times their scale
+        quantize_q8(in.xs, cols, x8, dx, xsum);
+        __syncthreads();
+    }
 
     int i = 0;
     for (int r = first; r < rows; r += stride, i++) {
