@@ -221,11 +221,12 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// Sum over the block; every thread gets the result. `scratch` holds 32 floats.
-__device__ float block_sum(float v, float* scratch) {
+// Sum over the block; every thread gets the result. `scratch` holds 32 floats; `first_use`: no
+// thread has read it before (no barrier needed before it is written).
+__device__ float block_sum(float v, float* scratch, bool first_use = false) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
     v = warp_sum(v);
-    __syncthreads();
+    if (!first_use) __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
     float t = lane < nw ? scratch[lane] : 0.f;
@@ -991,7 +992,7 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
                 *reinterpret_cast<float4*>(xs + i) = make_float4(v.x * w.x, v.y * w.y, v.z * w.z, v.w * w.w);
             }
         }
-        ss = block_sum(ss, scratch);  // its barriers also publish xs
+        ss = block_sum(ss, scratch, true);  // its barrier also publishes xs
         float rinv = rsqrtf(ss / (float)a.cols + a.eps);
         if (Q8) quantize_q8(xs, kn, q8.x8, q8.dx, q8.xsum, rinv);
         else if (FOLD) scale = rinv;

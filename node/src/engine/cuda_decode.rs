@@ -188,6 +188,21 @@ fn trace_summary(records: &[u64], kinds: &[usize], each_launch: bool) -> String 
     out + &lines
 }
 
+/// The trace's block records, one line each (`SHOAL_FUSED_TRACE_DUMP=FILE` writes them): launch,
+/// kind, SM, block, then start, wait passed, input ready and end in ns from the step's first start.
+fn trace_records(records: &[u64], kinds: &[usize]) -> String {
+    let t0 = records.chunks_exact(5).map(|r| r[0]).min().unwrap_or(0);
+    let mut out = String::from("launch kind sm block start waited ready end\n");
+    for r in records.chunks_exact(5) {
+        let launch = (r[4] >> 32) as usize;
+        let kind = kinds.get(launch).map_or("?", |&k| KIND_NAMES[k]);
+        let (sm, block) = ((r[4] >> 20) & 0xFFF, r[4] & 0xFFFFF);
+        let [start, waited, ready, end] = [r[0], r[1], r[2], r[3]].map(|t| t.saturating_sub(t0));
+        out += &format!("{launch} {kind} {sm} {block} {start} {waited} {ready} {end}\n");
+    }
+    out
+}
+
 /// A captured step. CUDA graph handles may move between threads; they must not be used from two
 /// at once, which the mutex around `Buffers` rules out.
 struct Captured(CudaGraph);
@@ -1217,6 +1232,11 @@ impl FusedDecode {
                 let n = (head[0] as usize).min(TRACE_RECORDS);
                 let records = self.stream.clone_dtoh(&t.slice(2..2 + 5 * n)).map_err(driver)?;
                 eprintln!("{}", trace_summary(&records, &self.kinds, self.trace_each_launch));
+                if let Ok(path) = std::env::var("SHOAL_FUSED_TRACE_DUMP") {
+                    if let Err(e) = std::fs::write(&path, trace_records(&records, &self.kinds)) {
+                        eprintln!("SHOAL_FUSED_TRACE_DUMP: cannot write {path}: {e}");
+                    }
+                }
             }
         }
         for lc in cache.layers.iter_mut() {
