@@ -139,7 +139,7 @@ fn trace_summary(records: &[u64], kinds: &[usize], each_launch: bool) -> String 
         end: Vec<f64>,
     }
     let mut launches = vec![PerLaunch::default(); kinds.len()];
-    let t0 = records.chunks_exact(5).map(|r| r[0]).min().unwrap_or(0);
+    let t0 = trace_start(records);
     let us = |t: u64| t.saturating_sub(t0) as f64 / 1e3;
     for r in records.chunks_exact(5) {
         let Some(l) = launches.get_mut((r[4] >> 32) as usize) else { continue };
@@ -188,10 +188,15 @@ fn trace_summary(records: &[u64], kinds: &[usize], each_launch: bool) -> String 
     out + &lines
 }
 
+/// The step's first block start among the trace's records (5 words each, the start first).
+fn trace_start(records: &[u64]) -> u64 {
+    records.chunks_exact(5).map(|r| r[0]).min().unwrap_or(0)
+}
+
 /// The trace's block records, one line each (`SHOAL_FUSED_TRACE_DUMP=FILE` writes them): launch,
 /// kind, SM, block, then start, wait passed, input ready and end in ns from the step's first start.
 fn trace_records(records: &[u64], kinds: &[usize]) -> String {
-    let t0 = records.chunks_exact(5).map(|r| r[0]).min().unwrap_or(0);
+    let t0 = trace_start(records);
     let mut out = String::from("launch kind sm block start waited ready end\n");
     for r in records.chunks_exact(5) {
         let launch = (r[4] >> 32) as usize;
