@@ -1,15 +1,15 @@
 // q6k_layout_bench.cu — what an aligned Q6_K layout would be worth to the decode step's int8
-// matrix-vector product: decode.cu's `dot_q6_k_q8<2>` (two rows a warp, 8 warps a block, 3 blocks
-// an SM) over GGUF's 210-byte blocks, which are only 2-byte aligned (each 8 bytes a lane reads come
-// as two or three words and two funnel shifts), against walks over the same values split by field
-// into four arrays (low nibbles, high bit pairs, scales, d): the same walk and products
-// (`q6k_use`, 8 lanes a block, each lane's 8 bytes of a field one 8-byte load), and 4 lanes a
-// block with each lane's 16 bytes of a field one load (`dot_q6_quad_split`; rows two or four a
-// warp, steps one or two at a time). On the 7B's down (3,584 x 18,944, in 7 slices as the engine
-// runs it, and in 5) and LM head shapes and the 1.5B's, over enough copies that nothing stays in
-// L2. Prints µs per launch, GB/s of GGUF bytes, and each walk's checksum (the first two equal: the
-// same sums in the same order; the 4-lane walks sum in another order). Built by
-// scripts/build-cuda.sh; run on the GPU machine. Not a test: it asserts nothing; shoal does not
+// matrix-vector product: decode.cu's `dot_q6_k_q8` (two or four rows a warp, 8 warps a block, 3
+// blocks an SM) over GGUF's 210-byte blocks, which are only 2-byte aligned (each 8 bytes a lane
+// reads come as two or three words and two funnel shifts), against walks over the same values split
+// by field into four arrays (low nibbles, high bit pairs, scales, d): the same walk and products
+// (`q6k_use`, 8 lanes a block, each lane's 8 bytes of a field one 8-byte load), and 4 lanes a block
+// with each lane's 16 bytes of a field one load (`dot_q6_quad_split`; rows two or four a warp,
+// steps one or two at a time). On the 7B's down (3,584 x 18,944, in 7 slices as the engine runs it,
+// and in 5) and LM head shapes and the 1.5B's, over enough copies that nothing stays in L2. Prints
+// µs per launch, GB/s of GGUF bytes, and each walk's checksum (GGUF blocks two rows a warp and the
+// 8-lane split equal: the same sums in the same order; the others' last digits may differ). Built
+// by scripts/build-cuda.sh; run on the GPU machine. Not a test: it asserts nothing; shoal does not
 // repack Q6_K (candle's kernels read the GGUF layout for short prompts; session 60 tried a
 // regrouped layout in the engine, see docs/gpu-performance-log.md). Session 59's third variant,
 // GGUF's blocks streamed through a `cp.async` ring in shared memory, was run in session 60 and
@@ -149,17 +149,18 @@ __device__ __forceinline__ void dot_q6_quad_split(const BenchArgs& a, int row, i
     for (int rr = 0; rr < R; rr++) out[rr] = warp_sum(acc[rr]);
 }
 
-// The walks timed: GGUF blocks (the engine's `dot_q6_k_q8<2>`), the split layout 8 lanes a block
-// (two rows a warp), and 4 lanes a block (rows a warp, steps at a time).
-enum Walk { GGUF = 0, SPLIT8 = 1, QUAD2 = 2, QUAD2_TWO = 3, QUAD4 = 4, WALKS = 5 };
-const char* const WALK_NAMES[WALKS] = {"GGUF blocks", "split, 8 lanes", "split, 4 lanes, 2 rows", "split, 4 lanes, 2x2", "split, 4 lanes, 4 rows"};
+// The walks timed: GGUF blocks (the engine's `dot_q6_k_q8`, rows two a warp, and four as the
+// engine's `mv_q6_k_q8_quads` takes them), the split layout 8 lanes a block (two rows a warp), and
+// 4 lanes a block (rows a warp, steps at a time).
+enum Walk { GGUF = 0, GGUF4 = 1, SPLIT8 = 2, QUAD2 = 3, QUAD2_TWO = 4, QUAD4 = 5, WALKS = 6 };
+const char* const WALK_NAMES[WALKS] = {"GGUF blocks", "GGUF blocks, 4 rows", "split, 8 lanes", "split, 4 lanes, 2 rows", "split, 4 lanes, 2x2", "split, 4 lanes, 4 rows"};
 
 // Rows R a warp over a block column's slice; the slice's int8 input staged in shared memory.
 // (The walks that hold more loads get 2 blocks an SM, 128 registers: at 3 they spilled.)
 constexpr int blocks_per_sm(int walk) { return walk == QUAD2_TWO || walk == QUAD4 ? 2 : 3; }
 template <int WALK>
 __global__ void __launch_bounds__(256, blocks_per_sm(WALK)) q6_rows(BenchArgs a) {
-    constexpr int R = WALK == QUAD4 ? 4 : 2;
+    constexpr int R = WALK == QUAD4 || WALK == GGUF4 ? 4 : 2;
     extern __shared__ float4 smem4[];
     int8_t* x8 = reinterpret_cast<int8_t*>(smem4);
     float* dx = reinterpret_cast<float*>(x8 + a.slice);
@@ -172,9 +173,11 @@ __global__ void __launch_bounds__(256, blocks_per_sm(WALK)) q6_rows(BenchArgs a)
         float y[R];
         if constexpr (WALK == SPLIT8) {
             dot_q6_pair_split(a, r, k0 >> 8, kn >> 8, x8, dx, y);
-        } else if constexpr (WALK == GGUF) {  // the engine's own
-            const uint8_t* rows[2] = {row_at(a.w, FMT_Q6_K, r, a.cols, k0), row_at(a.w, FMT_Q6_K, r + 1, a.cols, k0)};
-            dot_q6_k_q8<2>(rows, kn, x8, dx, y);
+        } else if constexpr (WALK == GGUF || WALK == GGUF4) {  // the engine's own
+            const uint8_t* rows[R];
+#pragma unroll
+            for (int rr = 0; rr < R; rr++) rows[rr] = row_at(a.w, FMT_Q6_K, r + rr, a.cols, k0);
+            dot_q6_k_q8<R>(rows, kn, x8, dx, y);
         } else {
             dot_q6_quad_split<R, WALK == QUAD2_TWO>(a, r, k0 >> 8, kn >> 8, x8, dx, y);
         }
@@ -228,7 +231,7 @@ int main() {
         }
         int slice = args[0].slice, slices = (c.cols + slice - 1) / slice;
         size_t smem = slice + slice / 32 * 4;
-        void (*const kernels[WALKS])(BenchArgs) = {q6_rows<GGUF>, q6_rows<SPLIT8>, q6_rows<QUAD2>, q6_rows<QUAD2_TWO>, q6_rows<QUAD4>};
+        void (*const kernels[WALKS])(BenchArgs) = {q6_rows<GGUF>, q6_rows<GGUF4>, q6_rows<SPLIT8>, q6_rows<QUAD2>, q6_rows<QUAD2_TWO>, q6_rows<QUAD4>};
         for (int walk = 0; walk < WALKS; walk++) {
             auto kernel = kernels[walk];
             int blocks_x = std::max(1, blocks_per_sm(walk) * sms / slices);
