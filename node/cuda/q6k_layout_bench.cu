@@ -75,9 +75,10 @@ __device__ __forceinline__ void dot_q6_pair_split(const BenchArgs& a, int row, i
 
 // 4 lanes a block over the split layout, each lane's bytes of a field one 16-byte load: lane s
 // (0-3) of a block takes half n = s / 2 and its values l0 .. l0 + 15 (l0 = 16 (s % 2)) of each of
-// the half's four 32-value groups, under one scale each. 64 values a lane and block (the 8-lane
-// walk: 32), 8 blocks a warp step; 5 loads a lane and block (3 of 16 bytes, the half's 8 scale
-// bytes, d) against 9. The products are q6k_use's, four dp4a a group instead of two.
+// the half's four 32-value groups, under one scale each. 64 values a lane and block, 8 blocks a
+// warp step, in 5 loads (3 of 16 bytes, the half's 8 scale bytes, d), where the 8-lane split walk
+// makes 5 for 32 values and the GGUF walk 9 to 13. The products are q6k_use's, four dp4a a group
+// instead of two.
 struct Q6Quad {
     uint4 qa, qb, qh;
     uint2 sc;
