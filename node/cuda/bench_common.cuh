@@ -75,8 +75,6 @@ inline double checksum(const float* device_values, size_t n) {
     return check;
 }
 
-// An integer from the environment, or `fallback`.
-
 // The next of a xorshift sequence's values in [-1, 1], steps of 0.001 (the attention benches'
 // caches and q/k/v).
 inline float random_unit(uint64_t& st) {

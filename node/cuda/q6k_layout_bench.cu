@@ -78,7 +78,8 @@ __device__ __forceinline__ void dot_q6_pair_split(const BenchArgs& a, int row, i
 // the half's four 32-value groups, under one scale each. 64 values a lane and block, 8 blocks a
 // warp step, in 5 loads (3 of 16 bytes, the half's 8 scale bytes, d), where the 8-lane split walk
 // makes 5 for 32 values and the GGUF walk 9 to 13. The products are q6k_use's, four dp4a a group
-// instead of two.
+// instead of two, written out here: calling q6k_use on each 8-byte half would sum each group's
+// inputs twice, and the log's figures are for this form.
 struct Q6Quad {
     uint4 qa, qb, qh;
     uint2 sc;
