@@ -11,7 +11,8 @@
 #   .gpu/attend_short_bench (node/cuda/attend_short_bench.cu: short-context attention's cycles by phase),
 #   .gpu/residual_read_probe (node/cuda/residual_read_probe.cu: every block reading the residual) and
 #   .gpu/chain_floor_bench (node/cuda/chain_floor_bench.cu: dependent launches with no weights, and
-#   streaming a real model's bytes with nothing computed: `chain_floor_bench models`).
+#   streaming a real model's bytes with nothing computed, as launches and as one persistent
+#   kernel: `chain_floor_bench models`).
 #
 # What it does (the recipe measured in ../shared/GPU.md):
 #   * pip-downloads the CUDA 13.0 wheels (nvcc, nvvm, crt, runtime, cccl, nvrtc, cublas, curand)

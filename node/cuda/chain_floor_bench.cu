@@ -12,7 +12,10 @@
 // q/k/v, attention's KV cache at 128 positions, o, gate/up, down, then the LM head), with nothing
 // computed from them: the fastest a step of that chain could be, printed as tok/s and as the
 // roofline fraction `shoal bench` would print (bytes read over the device copy rate, measured as
-// shoal measures it). Built by scripts/build-cuda.sh; run on the GPU machine. Not a test: it
+// shoal measures it). Then the same bytes in one persistent cooperative kernel (a block an SM)
+// that streams them through a ring of shared-memory stages (cp.async) and keeps the next phases'
+// copies in flight through each grid-wide barrier: what a megakernel that reads its weights ahead
+// across phases could reach. Built by scripts/build-cuda.sh; run on the GPU machine. Not a test: it
 // asserts nothing (it reports whether the modes' last vectors agree).
 #include "decode.cu"
 #include "bench_common.cuh"
@@ -142,6 +145,169 @@ __global__ void weight_hop(WeightHopArgs a) {
     if (acc == 0x9e3779b9u) a.out[a.n] = 1.f;  // (a spare word past the vector: never read)
 }
 
+// The same chain as one persistent kernel (a block an SM) whose blocks stream their share of every
+// phase's bytes through a ring of S shared-memory stages of `chunk` 16-byte words (cp.async),
+// phase after phase without a break: a stage is refilled as soon as it is used, so the copies of
+// the next phases' bytes go out before the barrier that ends a phase and stay in flight through
+// it (weights wait for no activation). A phase ends, once its last stage is used, with the
+// hand-off's work and a spin barrier, as `persistent`. What a megakernel that reads ahead across
+// its phases could reach; nothing is computed from the bytes either.
+struct StreamArgs {
+    float* a;
+    float* b;
+    int n;
+    const uint4* w;
+    const long long* phase_at;     // each phase's first word in `w`
+    const long long* phase_lines;  // its words
+    int phases;
+    unsigned* counter;
+    unsigned base;
+    int chunk;
+};
+
+template <int S>
+__global__ void __launch_bounds__(512, 1) persistent_stream(StreamArgs s) {
+    extern __shared__ uint4 ring[];
+    int ip = 0;             // the next stage's phase
+    long long ioff = 0;     // and where in this block's share of it
+    int stage_phase[S], stage_words[S];
+    auto issue = [&](int st) {
+        long long lo = 0, hi = 0;
+        for (; ip < s.phases; ip++, ioff = 0) {
+            long long lines = s.phase_lines[ip], per = (lines + gridDim.x - 1) / gridDim.x;
+            lo = min(lines, blockIdx.x * per);
+            hi = min(lines, lo + per);
+            if (lo + ioff < hi) break;
+        }
+        stage_phase[st] = ip;
+        stage_words[st] = 0;
+        if (ip < s.phases) {
+            int n = (int)min((long long)s.chunk, hi - lo - ioff);
+            const uint4* src = s.w + s.phase_at[ip] + lo + ioff;
+            for (int t = threadIdx.x; t < n; t += blockDim.x) cp_async16(ring + st * s.chunk + t, src + t);
+            stage_words[st] = n;
+            ioff += n;
+        }
+        cp_async_commit();
+    };
+    auto finish_phase = [&](int p) {
+        hop_body(p & 1 ? s.b : s.a, p & 1 ? s.a : s.b, s.n);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(s.counter, 1u);
+            unsigned target = s.base + (unsigned)(p + 1) * gridDim.x, seen;
+            do {
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(s.counter) : "memory");
+            } while ((int)(seen - target) < 0);
+        }
+        __syncthreads();
+    };
+#pragma unroll
+    for (int st = 0; st < S; st++) issue(st);
+    int cur = 0;
+    unsigned acc = 0;
+    for (int k = 0;; k = (k + 1) % S) {
+        int p = stage_phase[k];
+        if (p >= s.phases) break;
+        cp_async_wait<S - 1>();
+        __syncthreads();
+        for (; cur < p; cur++) finish_phase(cur);
+        for (int t = threadIdx.x; t < stage_words[k]; t += blockDim.x) {
+            uint4 v = ring[k * s.chunk + t];
+            acc ^= v.x ^ v.y ^ v.z ^ v.w;
+        }
+        __syncthreads();
+        issue(k);
+    }
+    for (; cur < s.phases; cur++) finish_phase(cur);
+    if (acc == 0x9e3779b9u) s.b[s.n] = 1.f;  // (a spare word past the vector: never read)
+}
+
+// The same stream with Hopper's bulk copies (`cp.async.bulk`, the TMA engine): one thread issues
+// each stage as one copy that completes on the stage's mbarrier, so no thread's registers or issue
+// slots are spent on the loads and a stage may be as large as shared memory allows.
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes),
+                 "r"(smem_addr(bar))
+                 : "memory");
+}
+
+__device__ __forceinline__ void bulk_wait(unsigned long long* bar, unsigned parity) {
+    unsigned done;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done)
+                     : "r"(smem_addr(bar)), "r"(parity)
+                     : "memory");
+    } while (!done);
+}
+
+template <int S>
+__global__ void __launch_bounds__(512, 1) persistent_bulk(StreamArgs s) {
+    extern __shared__ __align__(128) uint4 ring[];
+    __shared__ __align__(8) unsigned long long bars[S];
+    __shared__ int stage_phase[S], stage_words[S];
+    int ip = 0;          // (thread 0's) the next stage's phase
+    long long ioff = 0;  // and where in this block's share of it
+    auto issue = [&](int st) {
+        long long lo = 0, hi = 0;
+        for (; ip < s.phases; ip++, ioff = 0) {
+            long long lines = s.phase_lines[ip], per = (lines + gridDim.x - 1) / gridDim.x;
+            lo = min(lines, blockIdx.x * per);
+            hi = min(lines, lo + per);
+            if (lo + ioff < hi) break;
+        }
+        stage_phase[st] = ip;
+        stage_words[st] = 0;
+        if (ip < s.phases) {
+            int n = (int)min((long long)s.chunk, hi - lo - ioff);
+            bulk_load(ring + st * s.chunk, s.w + s.phase_at[ip] + lo + ioff, n * 16u, &bars[st]);
+            stage_words[st] = n;
+            ioff += n;
+        }
+    };
+    auto finish_phase = [&](int p) {
+        hop_body(p & 1 ? s.b : s.a, p & 1 ? s.a : s.b, s.n);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(s.counter, 1u);
+            unsigned target = s.base + (unsigned)(p + 1) * gridDim.x, seen;
+            do {
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(s.counter) : "memory");
+            } while ((int)(seen - target) < 0);
+        }
+        __syncthreads();
+    };
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < S; st++) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[st])) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (int st = 0; st < S; st++) issue(st);
+    }
+    __syncthreads();
+    int cur = 0;
+    unsigned acc = 0, use = 0;
+    for (int k = 0;;) {
+        int p = stage_phase[k];  // (rewritten only after the barrier below, read again S stages on)
+        if (p >= s.phases) break;
+        for (; cur < p; cur++) finish_phase(cur);
+        bulk_wait(&bars[k], use & 1);
+        for (int t = threadIdx.x; t < stage_words[k]; t += blockDim.x) {
+            uint4 v = ring[k * s.chunk + t];
+            acc ^= v.x ^ v.y ^ v.z ^ v.w;
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) issue(k);
+        if (++k == S) k = 0, use++;
+    }
+    for (; cur < s.phases; cur++) finish_phase(cur);
+    if (acc == 0x9e3779b9u) s.b[s.n] = 1.f;  // (a spare word past the vector: never read)
+}
+
 // The bytes each launch of a decode step reads, for a Qwen2.5-shaped model (28 layers) in f16 or
 // Q4_K_M (llama.cpp's mix: v and down Q6_K in 14 of the 28 layers, the LM head Q6_K).
 struct ModelShape {
@@ -257,6 +423,60 @@ int models(cudaStream_t st, int sms) {
                 printf("%-12s chain, %3d blocks of 512, programmatic, first words %s the wait: %7.1f us a step, %6.1f tok/s, roofline %.2f\n",
                        m.name, sms * blocks_per_sm, early ? "before" : "after ", us, 1e6 / us, total / (us * 1e-6) / rate);
             }
+        }
+        // The persistent streaming kernel: its last vector against the programmatic chain's.
+        std::vector<float> chained(m.hidden), streamed(m.hidden);
+        CK(cudaMemcpy(chained.data(), b, m.hidden * 4, cudaMemcpyDeviceToHost));
+        {
+            std::vector<long long> at_h, lines_h;
+            size_t at = 0;
+            for (size_t h : hops) {
+                at_h.push_back((long long)(at / 16));
+                lines_h.push_back((long long)(h / 16));
+                at += (h + 255) / 256 * 256;
+            }
+            long long *at_d, *lines_d;
+            unsigned* counter;
+            CK(cudaMalloc(&at_d, at_h.size() * 8));
+            CK(cudaMalloc(&lines_d, lines_h.size() * 8));
+            CK(cudaMalloc(&counter, 4));
+            CK(cudaMemcpy(at_d, at_h.data(), at_h.size() * 8, cudaMemcpyHostToDevice));
+            CK(cudaMemcpy(lines_d, lines_h.data(), lines_h.size() * 8, cudaMemcpyHostToDevice));
+            CK(cudaMemset(counter, 0, 4));
+            struct Ring { int stages, kb; void (*kernel)(StreamArgs); const char* form; };
+            for (Ring r : {Ring{4, 32, persistent_stream<4>, "cp.async"}, Ring{6, 32, persistent_stream<6>, "cp.async"}, Ring{4, 32, persistent_bulk<4>, "bulk"},
+                           Ring{6, 32, persistent_bulk<6>, "bulk"}, Ring{3, 64, persistent_bulk<3>, "bulk"}, Ring{12, 16, persistent_bulk<12>, "bulk"}}) {
+                StreamArgs sa{a, b, m.hidden, reinterpret_cast<const uint4*>(w), at_d, lines_d, (int)hops.size(), counter, 0, r.kb * 1024 / 16};
+                size_t smem = (size_t)r.stages * r.kb * 1024;
+                CK(cudaFuncSetAttribute((const void*)r.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+                int fit = 0;
+                CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit, r.kernel, 512, smem));
+                if (fit < 1) {
+                    printf("%-12s persistent stream (%s), %d stages of %d KB: does not fit\n", m.name, r.form, r.stages, r.kb);
+                    continue;
+                }
+                unsigned base = 0;
+                auto launch = [&]() {
+                    sa.base = base;
+                    void* args[] = {&sa};
+                    CK(cudaLaunchCooperativeKernel((const void*)r.kernel, dim3(sms), dim3(512), args, smem, st));
+                    base += (unsigned)hops.size() * sms;
+                };
+                for (int k = 0; k < 3; k++) launch();
+                CK(cudaEventRecord(e0, st));
+                for (int rep = 0; rep < reps; rep++) launch();
+                CK(cudaEventRecord(e1, st));
+                CK(cudaEventSynchronize(e1));
+                float ms = 0;
+                CK(cudaEventElapsedTime(&ms, e0, e1));
+                double us = ms * 1000.0 / reps;
+                CK(cudaMemcpy(streamed.data(), b, m.hidden * 4, cudaMemcpyDeviceToHost));
+                printf("%-12s persistent stream (%-8s), %3d blocks of 512, %2d stages of %2d KB ahead: %7.1f us a step, %6.1f tok/s, roofline %.2f%s\n", m.name, r.form, sms,
+                       r.stages, r.kb, us, 1e6 / us, total / (us * 1e-6) / rate, streamed == chained ? "" : " (VECTOR DIFFERS from the chain's)");
+            }
+            CK(cudaFree(at_d));
+            CK(cudaFree(lines_d));
+            CK(cudaFree(counter));
         }
         const char* kinds[5] = {"q/k/v", "attention", "o", "gate/up", "down"};
         printf("%-12s what each launch's bytes add to that best chain, a layer:", m.name);

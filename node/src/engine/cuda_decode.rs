@@ -656,6 +656,15 @@ fn embed_args(table: &EmbeddingTable, scale: Option<f64>, dtype: DType, hidden: 
     Ok(Some(EmbedArgs { table: ptr, fmt, cols: hidden as i32, scale: scale.unwrap_or(1.0) as f32, ..EmbedArgs::default() }))
 }
 
+/// Whether a matrix's weights are f16 or bf16 (the rows `mv_f16` / `mv_bf16` read).
+fn sixteen_bit(l: &Linear) -> bool {
+    match &l.weight {
+        Matrix::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => matches!(t.dtype(), DType::F16 | DType::BF16),
+        Matrix::Candle(QMatMul::QTensor(q)) => matches!(q.dtype(), GgmlDType::F16 | GgmlDType::BF16),
+        Matrix::Packed(_) => false,
+    }
+}
+
 /// Builds launches, keeping what they point into alive.
 struct Planner<'a> {
     device: &'a Device,
@@ -851,7 +860,17 @@ impl FusedDecode {
     pub fn build(layers: &[DecoderLayer], head: Option<(&RmsNorm, &Linear)>, embed: Option<(&EmbeddingTable, Option<f64>)>, hidden: usize, device: &Device, dtype: DType) -> Result<Self> {
         let cuda = device.as_cuda_device()?;
         let stream = cuda.cuda_stream();
-        let load = |name: &str| cuda.get_or_load_custom_func(name, MODULE, PTX).map(|f| f.into_cuda_function());
+        // One shared-memory carveout for every kernel of the step, or the driver's per kernel (-1,
+        // set too: the module's functions are shared by every step built in the process).
+        let all_16bit = layers.iter().all(|l| [&l.attn.q, &l.attn.k, &l.attn.v, &l.attn.o, &l.mlp.gate, &l.mlp.up, &l.mlp.down].into_iter().all(sixteen_bit))
+            && head.is_none_or(|(_, w)| sixteen_bit(w));
+        let carveout = step_carveout(std::env::var("SHOAL_FUSED_CARVEOUT").ok().as_deref(), all_16bit, hidden);
+        let load = |name: &str| -> Result<CudaFunction> {
+            let f = cuda.get_or_load_custom_func(name, MODULE, PTX)?.into_cuda_function();
+            let percent = carveout.map_or(-1, |p| p as i32);
+            f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, percent).map_err(driver)?;
+            Ok(f)
+        };
         let head_dims: Vec<usize> = layers.iter().map(|l| l.attn.head_dim).collect();
         let (attend, attend_split, add_norm, embed_row) = (load(for_head_dim("attend", &head_dims))?, load("attend_split")?, load("add_norm")?, load("embed_row")?);
         let attend_group = load(for_head_dim("attend_group", &head_dims))?;

@@ -354,6 +354,27 @@ pub(crate) fn read_ahead_bytes(ahead: usize, gate_up: &MvArgs) -> i64 {
     (ahead / 2).min(matrix) as i64
 }
 
+/// The widest hidden size whose all-f16/bf16 step runs with every kernel preferring the most
+/// shared memory (`step_carveout`).
+pub(crate) const CARVEOUT_HIDDEN_MAX: usize = 2048;
+
+/// The shared-memory carveout (percent of each SM's unified L1 and shared memory) that every
+/// kernel of a fused step prefers, or `None` to leave each kernel to the driver. One value for the
+/// whole chain: a carveout that changes from launch to launch cost the 3B and 7B f16 6–10% on an
+/// H200 (session 72). 100 where every matrix is f16/bf16 and the hidden size is at most
+/// `CARVEOUT_HIDDEN_MAX`; on an H100 (session 73, alternating rounds) that took Qwen2.5 0.5B,
+/// 1.5B and 3B f16 decode up 2.6%, 3.1–4.1% and 3.3%, and cost the 7B f16 1.9%, Llama-3-8B
+/// 1.8% and the 1.5B Q4_K_M 0.9%; on an H200 the 1.5B and 3B f16 +0.9% and +1.4%, the 7B
+/// −4.1%. `setting`: `SHOAL_FUSED_CARVEOUT`, a percent for every step, or `none`.
+pub(crate) fn step_carveout(setting: Option<&str>, all_16bit: bool, hidden: usize) -> Option<u32> {
+    let by_shape = (all_16bit && hidden <= CARVEOUT_HIDDEN_MAX).then_some(100);
+    match setting.map(str::trim) {
+        Some("none") => None,
+        Some(v) => v.parse::<u32>().map_or(by_shape, |percent| Some(percent.min(100))),
+        None => by_shape,
+    }
+}
+
 /// The `mv` instance in decode.cu for a launch (`gated`: act(gate)·up) whose matrices are in
 /// `fmts`: one per format, or `_any` when they differ.
 pub(crate) fn mv_kernel(gated: bool, fmts: &[i32]) -> &'static str {
@@ -547,6 +568,22 @@ mod tests {
                 assert_eq!(grids.shape(kernel, &MvArgs { slice, ..args }, 1536).kernel, "mv_q6_k_q8");
             }
         }
+    }
+
+    #[test]
+    fn small_16_bit_steps_prefer_all_shared_memory_and_a_setting_overrides_the_rule() {
+        // Qwen2.5-1.5B and -3B in f16 (hidden 1,536 and 2,048): every kernel at 100.
+        assert_eq!(step_carveout(None, true, 1536), Some(100));
+        assert_eq!(step_carveout(None, true, 2048), Some(100));
+        // Qwen2.5-7B in f16 (3,584) and any quantized step: the driver's choice per kernel.
+        assert_eq!(step_carveout(None, true, 3584), None);
+        assert_eq!(step_carveout(None, false, 1536), None);
+        // `SHOAL_FUSED_CARVEOUT`: a percent (at most 100) for any step, or `none`; anything else
+        // is ignored.
+        assert_eq!(step_carveout(Some("50"), false, 3584), Some(50));
+        assert_eq!(step_carveout(Some("250"), true, 1536), Some(100));
+        assert_eq!(step_carveout(Some("none"), true, 1536), None);
+        assert_eq!(step_carveout(Some("lots"), true, 1536), Some(100));
     }
 
     #[test]
