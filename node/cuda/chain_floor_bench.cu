@@ -53,20 +53,22 @@ __global__ void hop(HopArgs a) {
 
 // All N phases in one launch of co-resident blocks; between phases every block counts itself in
 // (one thread: a fence, then an atomic add) and spins until all have, on a counter that only grows.
-__global__ void persistent(float* a, float* b, int n, int phases, unsigned* counter, unsigned base) {
-    for (int p = 0; p < phases; p++) {
-        hop_body(p & 1 ? b : a, p & 1 ? a : b, n);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence();
-            atomicAdd(counter, 1u);
-            unsigned target = base + (unsigned)(p + 1) * gridDim.x, seen;
-            do {
-                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-            } while ((int)(seen - target) < 0);
-        }
-        __syncthreads();
+__device__ __forceinline__ void end_phase(float* a, float* b, int n, int p, unsigned* counter, unsigned base) {
+    hop_body(p & 1 ? b : a, p & 1 ? a : b, n);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(counter, 1u);
+        unsigned target = base + (unsigned)(p + 1) * gridDim.x, seen;
+        do {
+            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+        } while ((int)(seen - target) < 0);
     }
+    __syncthreads();
+}
+
+__global__ void persistent(float* a, float* b, int n, int phases, unsigned* counter, unsigned base) {
+    for (int p = 0; p < phases; p++) end_phase(a, b, n, p, counter, base);
 }
 
 // µs a replay of the captured chain `g` (`warm` replays first, then `reps` timed); destroys it.
@@ -165,6 +167,23 @@ struct StreamArgs {
     int chunk;
 };
 
+// The next piece of this block's share of the phases: from phase `ip`, `ioff` words into the
+// block's share of it, at most `s.chunk` words. Sets `src` and returns the words (advancing `ip`
+// and `ioff` past them), or 0 once every phase is read (`ip` then `s.phases`).
+__device__ __forceinline__ int next_piece(const StreamArgs& s, int& ip, long long& ioff, const uint4*& src) {
+    for (; ip < s.phases; ip++, ioff = 0) {
+        long long lines = s.phase_lines[ip], per = (lines + gridDim.x - 1) / gridDim.x;
+        long long lo = min(lines, blockIdx.x * per), hi = min(lines, lo + per);
+        if (lo + ioff < hi) {
+            int n = (int)min((long long)s.chunk, hi - lo - ioff);
+            src = s.w + s.phase_at[ip] + lo + ioff;
+            ioff += n;
+            return n;
+        }
+    }
+    return 0;
+}
+
 template <int S>
 __global__ void __launch_bounds__(512, 1) persistent_stream(StreamArgs s) {
     extern __shared__ uint4 ring[];
@@ -172,36 +191,12 @@ __global__ void __launch_bounds__(512, 1) persistent_stream(StreamArgs s) {
     long long ioff = 0;     // and where in this block's share of it
     int stage_phase[S], stage_words[S];
     auto issue = [&](int st) {
-        long long lo = 0, hi = 0;
-        for (; ip < s.phases; ip++, ioff = 0) {
-            long long lines = s.phase_lines[ip], per = (lines + gridDim.x - 1) / gridDim.x;
-            lo = min(lines, blockIdx.x * per);
-            hi = min(lines, lo + per);
-            if (lo + ioff < hi) break;
-        }
+        const uint4* src = nullptr;
+        int n = next_piece(s, ip, ioff, src);
         stage_phase[st] = ip;
-        stage_words[st] = 0;
-        if (ip < s.phases) {
-            int n = (int)min((long long)s.chunk, hi - lo - ioff);
-            const uint4* src = s.w + s.phase_at[ip] + lo + ioff;
-            for (int t = threadIdx.x; t < n; t += blockDim.x) cp_async16(ring + st * s.chunk + t, src + t);
-            stage_words[st] = n;
-            ioff += n;
-        }
+        stage_words[st] = n;
+        for (int t = threadIdx.x; t < n; t += blockDim.x) cp_async16(ring + st * s.chunk + t, src + t);
         cp_async_commit();
-    };
-    auto finish_phase = [&](int p) {
-        hop_body(p & 1 ? s.b : s.a, p & 1 ? s.a : s.b, s.n);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence();
-            atomicAdd(s.counter, 1u);
-            unsigned target = s.base + (unsigned)(p + 1) * gridDim.x, seen;
-            do {
-                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(s.counter) : "memory");
-            } while ((int)(seen - target) < 0);
-        }
-        __syncthreads();
     };
 #pragma unroll
     for (int st = 0; st < S; st++) issue(st);
@@ -212,7 +207,7 @@ __global__ void __launch_bounds__(512, 1) persistent_stream(StreamArgs s) {
         if (p >= s.phases) break;
         cp_async_wait<S - 1>();
         __syncthreads();
-        for (; cur < p; cur++) finish_phase(cur);
+        for (; cur < p; cur++) end_phase(s.a, s.b, s.n, cur, s.counter, s.base);
         for (int t = threadIdx.x; t < stage_words[k]; t += blockDim.x) {
             uint4 v = ring[k * s.chunk + t];
             acc ^= v.x ^ v.y ^ v.z ^ v.w;
@@ -220,7 +215,7 @@ __global__ void __launch_bounds__(512, 1) persistent_stream(StreamArgs s) {
         __syncthreads();
         issue(k);
     }
-    for (; cur < s.phases; cur++) finish_phase(cur);
+    for (; cur < s.phases; cur++) end_phase(s.a, s.b, s.n, cur, s.counter, s.base);
     if (acc == 0x9e3779b9u) s.b[s.n] = 1.f;  // (a spare word past the vector: never read)
 }
 
@@ -254,34 +249,11 @@ __global__ void __launch_bounds__(512, 1) persistent_bulk(StreamArgs s) {
     int ip = 0;          // (thread 0's) the next stage's phase
     long long ioff = 0;  // and where in this block's share of it
     auto issue = [&](int st) {
-        long long lo = 0, hi = 0;
-        for (; ip < s.phases; ip++, ioff = 0) {
-            long long lines = s.phase_lines[ip], per = (lines + gridDim.x - 1) / gridDim.x;
-            lo = min(lines, blockIdx.x * per);
-            hi = min(lines, lo + per);
-            if (lo + ioff < hi) break;
-        }
+        const uint4* src = nullptr;
+        int n = next_piece(s, ip, ioff, src);
         stage_phase[st] = ip;
-        stage_words[st] = 0;
-        if (ip < s.phases) {
-            int n = (int)min((long long)s.chunk, hi - lo - ioff);
-            bulk_load(ring + st * s.chunk, s.w + s.phase_at[ip] + lo + ioff, n * 16u, &bars[st]);
-            stage_words[st] = n;
-            ioff += n;
-        }
-    };
-    auto finish_phase = [&](int p) {
-        hop_body(p & 1 ? s.b : s.a, p & 1 ? s.a : s.b, s.n);
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence();
-            atomicAdd(s.counter, 1u);
-            unsigned target = s.base + (unsigned)(p + 1) * gridDim.x, seen;
-            do {
-                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(s.counter) : "memory");
-            } while ((int)(seen - target) < 0);
-        }
-        __syncthreads();
+        stage_words[st] = n;
+        if (n > 0) bulk_load(ring + st * s.chunk, src, n * 16u, &bars[st]);
     };
     if (threadIdx.x == 0) {
         for (int st = 0; st < S; st++) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[st])) : "memory");
@@ -294,7 +266,7 @@ __global__ void __launch_bounds__(512, 1) persistent_bulk(StreamArgs s) {
     for (int k = 0;;) {
         int p = stage_phase[k];  // (rewritten only after the barrier below, read again S stages on)
         if (p >= s.phases) break;
-        for (; cur < p; cur++) finish_phase(cur);
+        for (; cur < p; cur++) end_phase(s.a, s.b, s.n, cur, s.counter, s.base);
         bulk_wait(&bars[k], use & 1);
         for (int t = threadIdx.x; t < stage_words[k]; t += blockDim.x) {
             uint4 v = ring[k * s.chunk + t];
@@ -304,7 +276,7 @@ __global__ void __launch_bounds__(512, 1) persistent_bulk(StreamArgs s) {
         if (threadIdx.x == 0) issue(k);
         if (++k == S) k = 0, use++;
     }
-    for (; cur < s.phases; cur++) finish_phase(cur);
+    for (; cur < s.phases; cur++) end_phase(s.a, s.b, s.n, cur, s.counter, s.base);
     if (acc == 0x9e3779b9u) s.b[s.n] = 1.f;  // (a spare word past the vector: never read)
 }
 
