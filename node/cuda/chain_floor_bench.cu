@@ -13,9 +13,9 @@
 // computed from them: the fastest a step of that chain could be, printed as tok/s and as the
 // roofline fraction `shoal bench` would print (bytes read over the device copy rate, measured as
 // shoal measures it). Then the same bytes in one persistent cooperative kernel (a block an SM)
-// that streams them through a ring of shared-memory stages (cp.async) and keeps the next phases'
-// copies in flight through each grid-wide barrier: what a megakernel that reads its weights ahead
-// across phases could reach. Built by scripts/build-cuda.sh; run on the GPU machine. Not a test: it
+// that streams them through a ring of shared-memory stages (cp.async, or Hopper's bulk copies) and
+// keeps the next phases' copies in flight through each grid-wide barrier: what a megakernel that
+// reads its weights ahead across phases could reach. Built by scripts/build-cuda.sh; run on the GPU machine. Not a test: it
 // asserts nothing (it reports whether the modes' last vectors agree).
 #include "decode.cu"
 #include "bench_common.cuh"
