@@ -15,8 +15,8 @@
 // shoal measures it). Then the same bytes in one persistent cooperative kernel (a block an SM)
 // that streams them through a ring of shared-memory stages (cp.async, or Hopper's bulk copies) and
 // keeps the next phases' copies in flight through each grid-wide barrier: what a megakernel that
-// reads its weights ahead across phases could reach. Built by scripts/build-cuda.sh; run on the GPU machine. Not a test: it
-// asserts nothing (it reports whether the modes' last vectors agree).
+// reads its weights ahead across phases could reach. Built by scripts/build-cuda.sh; run on the
+// GPU machine. Not a test: it asserts nothing (it reports whether the modes' last vectors agree).
 #include "decode.cu"
 #include "bench_common.cuh"
 #include <cstdio>
