@@ -75,9 +75,9 @@ struct MvArgs {
     int tag_out;         // 1: out gets tagged values (`store_tagged`)
     const unsigned long long* tag;  // the step's tag, written before its first kernel (tagged
                                     // input or output, or split-K partials)
-    const uint8_t* ahead[2];        // read-ahead: the starts of two matrices a later launch reads
-    long long ahead_bytes;          // first (of each), this launch's blocks pulling them into L2
-                                    // before their wait (0: none; see `stage_input`)
+    const uint8_t* ahead[2];        // read-ahead: where, in each of two matrices that a later
+    long long ahead_bytes;          // launch reads, this launch's blocks pull that many bytes
+                                    // into L2 before their wait (0: none; see `stage_input`)
     const unsigned long long* pick; // an LM head's: the step's greedy pick (`pick_greedy`), or null
     unsigned long long* pick_scratch;  // its running maximum and count of blocks done, zeroed
 };
@@ -946,10 +946,11 @@ __device__ Staged stage_input(const MvArgs& a, int k0, int kn, bool gated, int f
             prefetch_l2(row_at(sg.w, sg.fmt, lr, a.cols, k0), fmt_bytes(sg.fmt, kn), lane);
         }
     }
-    // Read-ahead: this block's share of the first `ahead_bytes` of each of two matrices that a
-    // later launch reads first (gate/up's first rows, set on o), pulled into L2 after this
-    // block's own rows went out: HBM idles while the launches from q/k/v to o wait on each
-    // other's results. A few MB: more was slower (session 41; the log has the figures).
+    // Read-ahead: this block's share of `ahead_bytes` of each of two matrices that a later
+    // launch reads (gate/up's first rows, or a large 16-bit pair's last: `read_ahead` in
+    // cuda_plan.rs; set on o), pulled into L2 after this block's own rows went out: HBM idles
+    // while the launches from q/k/v to o wait on each other's results. A few MB: more was slower
+    // (sessions 41 and 74; the log has the figures).
     if (a.ahead_bytes > 0) {
         long long blocks = (long long)gridDim.x * gridDim.y, b = (long long)blockIdx.y * gridDim.x + blockIdx.x;
         long long lines = (a.ahead_bytes + 127) >> 7, per = (lines + blocks - 1) / blocks, end = min(lines, (b + 1) * per);

@@ -902,12 +902,14 @@ impl FusedDecode {
         let smem_reserved = stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK).map_err(driver)? as usize;
         // Read-ahead (`ahead` in decode.cu): o's blocks pull the first 2 MB of gate/up's rows
         // (`SHOAL_FUSED_AHEAD_KB`: that many KB, half from each matrix; 0: none) into L2 while
-        // they wait, HBM's idle time between q/k/v and gate/up. One H100 (session 41, 64-token
+        // they wait, HBM's idle time between q/k/v and gate/up; from large f16/bf16 matrices
+        // their last 6 MB instead (`SHOAL_FUSED_AHEAD_END_KB`; 0: the first; `read_ahead` has
+        // the figures). One H100 (session 41, 64-token
         // prompts, alternating rounds, 0 -> 2 MB): 1.5B f16 697.4 / 701.5 / 697.6 -> 708.0 /
         // 707.5 / 703.9 tok/s; 1.5B Q4_K_M 1063.4 / 1065.5 / 1056.4 -> 1048.7 / 1071.6 / 1070.8,
         // 7B Q4_K_M and f16 unchanged. More lost: 8.5 MB 1.5B Q4_K_M 1038.5 / 1049.9, 17 MB
         // 1024.3 / 1024.8 against 1072.3 / 1054.7 (session 40: 25 MB lost on all but the 7B).
-        let ahead = tuned("AHEAD_KB", 2048) as usize * 1024;
+        let (ahead, ahead_end) = (tuned("AHEAD_KB", 2048) as usize * 1024, tuned("AHEAD_END_KB", 6144) as usize * 1024);
         let mut p = Planner { device, keep: Vec::new(), max_smem: 0, smem_limit: optin, grids, sms, smem_per_sm, smem_reserved };
         let x_t = Tensor::zeros(hidden, DType::F32, device)?;
         let x = tensor_ptr(&x_t)?;
@@ -1003,9 +1005,10 @@ impl FusedDecode {
                 Activation::GeluTanh => MODE_GELU_TANH,
             };
             let gate_up = tagged(p.mv(&[&m.gate, &m.up], x, Some(&layer.ffn_norm), mode, act)?, false, true);
-            // o's blocks pull gate/up's first rows into L2 while they wait for attention.
+            // o's blocks pull some of gate/up's rows into L2 while they wait for attention.
             if let (Launch::Mv { args: o_args, .. }, Launch::Mv { args: gu, .. }) = (&mut o[0], &gate_up) {
-                (o_args.ahead, o_args.ahead_bytes) = ([gu.seg[0].w, gu.seg[1].w], read_ahead_bytes(ahead, gu));
+                let (at, bytes) = read_ahead(ahead, ahead_end, gu);
+                (o_args.ahead, o_args.ahead_bytes) = ([gu.seg[0].w + at, gu.seg[1].w + at], bytes);
             }
             launches.extend(o);
             launches.push(gate_up);
