@@ -903,8 +903,8 @@ impl FusedDecode {
         // Read-ahead (`ahead` in decode.cu): o's blocks pull the first 2 MB of gate/up's rows
         // (`SHOAL_FUSED_AHEAD_KB`: that many KB, half from each matrix; 0: none) into L2 while
         // they wait, HBM's idle time between q/k/v and gate/up; from large f16/bf16 matrices
-        // their last 6 MB instead (`SHOAL_FUSED_AHEAD_END_KB`; 0: the first; `read_ahead` has
-        // the figures). One H100 (session 41, 64-token
+        // their last 6 MB instead (`SHOAL_FUSED_AHEAD_END_KB`; 0: the first rows everywhere;
+        // `read_ahead` has the figures). The first rows on one H100 (session 41, 64-token
         // prompts, alternating rounds, 0 -> 2 MB): 1.5B f16 697.4 / 701.5 / 697.6 -> 708.0 /
         // 707.5 / 703.9 tok/s; 1.5B Q4_K_M 1063.4 / 1065.5 / 1056.4 -> 1048.7 / 1071.6 / 1070.8,
         // 7B Q4_K_M and f16 unchanged. More lost: 8.5 MB 1.5B Q4_K_M 1038.5 / 1049.9, 17 MB
