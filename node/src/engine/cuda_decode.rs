@@ -307,6 +307,9 @@ pub struct FusedDecode {
     /// Launch with programmatic stream serialization (sm_90 on): a kernel's blocks may start
     /// while the previous kernel finishes (the kernels wait before reading its results).
     overlap: bool,
+    /// The step's carveout (`step_carveout`), set on each of its launches (not on the module's
+    /// functions, which every step in the process shares).
+    carveout: Option<u32>,
     buffers: Mutex<Buffers>,
     /// f32 copies of norms and biases, rope tables and scratch buffers the launches point into.
     _keep: Vec<Tensor>,
@@ -860,16 +863,13 @@ impl FusedDecode {
     pub fn build(layers: &[DecoderLayer], head: Option<(&RmsNorm, &Linear)>, embed: Option<(&EmbeddingTable, Option<f64>)>, hidden: usize, device: &Device, dtype: DType) -> Result<Self> {
         let cuda = device.as_cuda_device()?;
         let stream = cuda.cuda_stream();
-        // One shared-memory carveout for every kernel of the step, or the driver's per kernel (-1,
-        // set too: the module's functions are shared by every step built in the process).
+        // One shared-memory carveout for every launch of the step (a launch attribute, so that
+        // steps of other models in the process keep theirs), or the driver's choice per kernel.
         let all_16bit = layers.iter().all(|l| [&l.attn.q, &l.attn.k, &l.attn.v, &l.attn.o, &l.mlp.gate, &l.mlp.up, &l.mlp.down].into_iter().all(sixteen_bit))
             && head.is_none_or(|(_, w)| sixteen_bit(w));
         let carveout = step_carveout(std::env::var("SHOAL_FUSED_CARVEOUT").ok().as_deref(), all_16bit, hidden);
         let load = |name: &str| -> Result<CudaFunction> {
-            let f = cuda.get_or_load_custom_func(name, MODULE, PTX)?.into_cuda_function();
-            let percent = carveout.map_or(-1, |p| p as i32);
-            f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, percent).map_err(driver)?;
-            Ok(f)
+            Ok(cuda.get_or_load_custom_func(name, MODULE, PTX)?.into_cuda_function())
         };
         let head_dims: Vec<usize> = layers.iter().map(|l| l.attn.head_dim).collect();
         let (attend, attend_split, add_norm, embed_row) = (load(for_head_dim("attend", &head_dims))?, load("attend_split")?, load("add_norm")?, load("embed_row")?);
@@ -1149,6 +1149,7 @@ impl FusedDecode {
             fused_pick,
             trace_each_launch: trace_level == 2,
             overlap,
+            carveout,
             buffers: Mutex::new(Buffers { x: x_t, step, tag: 0, logits, graphs: Vec::new(), trace, uploads, uploaded: 0 }),
             _keep: p.keep,
             enabled: AtomicBool::new(enabled),
@@ -1348,9 +1349,18 @@ impl FusedDecode {
     unsafe fn launch(&self, f: &CudaFunction, cfg: LaunchConfig, params: &mut [*mut c_void]) -> Result<()> {
         self.stream.context().bind_to_thread().map_err(driver)?;
         // SAFETY: a plain C union of integers and small structs; all zero is a valid value.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut count = 0;
+        if self.overlap {
+            attrs[count].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[count].value.programmaticStreamSerializationAllowed = 1;
+            count += 1;
+        }
+        if let Some(percent) = self.carveout {
+            attrs[count].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT;
+            attrs[count].value.sharedMemCarveout = percent;
+            count += 1;
+        }
         let config = sys::CUlaunchConfig {
             gridDimX: cfg.grid_dim.0,
             gridDimY: cfg.grid_dim.1,
@@ -1360,8 +1370,8 @@ impl FusedDecode {
             blockDimZ: cfg.block_dim.2,
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: u32::from(self.overlap),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: count as u32,
         };
         // SAFETY: the caller vouches for `params`; `config` and `attr` outlive the call.
         unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result().map_err(driver)
