@@ -1373,7 +1373,7 @@ impl FusedDecode {
             attrs: attrs.as_mut_ptr(),
             numAttrs: count as u32,
         };
-        // SAFETY: the caller vouches for `params`; `config` and `attr` outlive the call.
+        // SAFETY: the caller vouches for `params`; `config` and `attrs` outlive the call.
         unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result().map_err(driver)
     }
 
