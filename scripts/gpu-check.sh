@@ -26,8 +26,9 @@
 #                                   `ip netns` works, loopback otherwise) serve one model; the
 #                                   plan and the output are compared with one node
 #   scripts/gpu-check.sh models [SHAPE...]   only generate (and quantize) the models, side by side
-#   scripts/gpu-check.sh ab "MODELS" "SETTINGS" [ROUNDS]   for A/B tuning: decode tok/s and roofline
-#                                   of each model (SHAPE-f16 or SHAPE-q4km: q15-f16 q7-q4km ...) under each
+#   scripts/gpu-check.sh ab "MODELS" "SETTINGS" [ROUNDS]   for A/B tuning: decode tok/s, roofline and
+#                                   prompt tok/s (AB_PROMPT tokens, 64 by default; quantized prompts are
+#                                   dequantized from 128) of each model (SHAPE-f16 or SHAPE-q4km: q15-f16 q7-q4km ...) under each
 #                                   setting in turn, ROUNDS times (2); SETTINGS are ';'-separated,
 #                                   each a list of VAR=value (SHOAL_BIN=path: another build), '' the
 #                                   defaults: ab "q15-f16" "SHOAL_FUSED_PRELOAD=0;"
@@ -173,12 +174,12 @@ ab() { # ab "MODELS" "SETTINGS" [ROUNDS]: settings alternate within each round, 
     for i in "${!models[@]}"; do
       for s in "${settings[@]}"; do
         local json
-        json=$( [[ -n ${s// } ]] && export $s; "${SHOAL_BIN:-$BIN}" bench --model "${paths[$i]}" --device "${DEVICE:-cuda}" --prompt-tokens 64 --repetitions 3 --json 2>/dev/null | tail -1 )
+        json=$( [[ -n ${s// } ]] && export $s; "${SHOAL_BIN:-$BIN}" bench --model "${paths[$i]}" --device "${DEVICE:-cuda}" --prompt-tokens "${AB_PROMPT:-64}" --repetitions 3 --json 2>/dev/null | tail -1 )
         python3 -c 'import json, sys
 r, m, s, j = sys.argv[1:5]
 try:
     d = json.loads(j)
-    print("round %s  %-12s [%s]  decode %.1f tok/s  roofline %.3f" % (r, m, s, d["decode_tok_s"], d["roofline_fraction"]))
+    print("round %s  %-12s [%s]  decode %.1f tok/s  roofline %.3f  prompt %.1f tok/s" % (r, m, s, d["decode_tok_s"], d["roofline_fraction"], d["prefill_tok_s"]))
 except ValueError:
     print("round %s  %-12s [%s]  FAILED (no benchmark result)" % (r, m, s)); sys.exit(1)' "$r" "${models[$i]}" "$s" "$json" || fail=1
       done
