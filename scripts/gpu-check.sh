@@ -26,9 +26,10 @@
 #                                   `ip netns` works, loopback otherwise) serve one model; the
 #                                   plan and the output are compared with one node
 #   scripts/gpu-check.sh models [SHAPE...]   only generate (and quantize) the models, side by side
-#   scripts/gpu-check.sh ab "MODELS" "SETTINGS" [ROUNDS]   for A/B tuning: decode tok/s, roofline and
-#                                   prompt tok/s (AB_PROMPT tokens, 64 by default; quantized prompts are
-#                                   dequantized from 128) of each model (SHAPE-f16 or SHAPE-q4km: q15-f16 q7-q4km ...) under each
+#   scripts/gpu-check.sh ab "MODELS" "SETTINGS" [ROUNDS]   for A/B tuning: decode tok/s, roofline
+#                                   and prompt tok/s (AB_PROMPT tokens, 64 by default; quantized
+#                                   prompts are dequantized from 128) of each model (SHAPE-f16 or
+#                                   SHAPE-q4km: q15-f16 q7-q4km ...) under each
 #                                   setting in turn, ROUNDS times (2); SETTINGS are ';'-separated,
 #                                   each a list of VAR=value (SHOAL_BIN=path: another build), '' the
 #                                   defaults: ab "q15-f16" "SHOAL_FUSED_PRELOAD=0;"
