@@ -66,10 +66,10 @@ fn dequantize_for(x: &Tensor) -> bool {
 
 /// `x` times quantized matrices that share it, dequantized to f16 and stacked by rows, in one
 /// cuBLAS GEMM: the result's columns follow the matrices' rows in order (q/k/v, or gate/up, with
-/// one conversion of `x` and one product). None where decode.cu does not dequantize a format
-/// (Q4_K and Q6_K only), or without the `cuda` feature.
+/// one conversion of `x` and one product), its f16 values converted to `out`. None where
+/// decode.cu does not dequantize a format (Q4_K and Q6_K only), or without the `cuda` feature.
 #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
-fn dequantized_product(qs: &[&candle_core::quantized::QTensor], x: &Tensor) -> Result<Option<Tensor>> {
+fn dequantized_product(qs: &[&candle_core::quantized::QTensor], x: &Tensor, out: DType) -> Result<Option<Tensor>> {
     #[cfg(feature = "cuda")]
     {
         let multiply = |dense: &Tensor| -> Result<Tensor> {
@@ -78,7 +78,7 @@ fn dequantized_product(qs: &[&candle_core::quantized::QTensor], x: &Tensor) -> R
                 [b, _, _] => dense.broadcast_left(b)?.t()?,
                 _ => dense.t()?,
             };
-            Ok(x.to_dtype(DType::F16)?.matmul(&dense)?.to_dtype(x.dtype())?)
+            Ok(x.to_dtype(DType::F16)?.matmul(&dense)?.to_dtype(out)?)
         };
         return super::cuda_decode::with_dequantized_f16(qs, multiply);
     }
@@ -128,26 +128,33 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_to(x, x.dtype())
+    }
+
+    /// `forward` with its output in `out`. A quantized matrix multiplied dequantized (a prompt
+    /// on a GPU, `dequantize_for`) takes `x` in f16 or f32 as it comes and converts its f16
+    /// product to `out`; every other path takes `x` converted to `out` first.
+    pub fn forward_to(&self, x: &Tensor, out: DType) -> Result<Tensor> {
         let y = match &self.weight {
-            Matrix::Packed(w) => x.contiguous()?.apply_op1_no_bwd(&QMatMulOp { weight: w.clone() })?,
             Matrix::Candle(w @ candle_core::quantized::QMatMul::QTensor(q)) if dequantize_for(x) => {
                 // A prompt on a GPU: the matrix dequantized to f16 (Q4_K and Q6_K into the
                 // device's reused scratch, others into a transient copy by candle) and multiplied
                 // by cuBLAS, rather than candle's MMQ kernels; those still take it where that
                 // fails (a format candle cannot dequantize to f16 there, or no GPU memory left).
-                let dequantized = dequantized_product(&[q], x).and_then(|y| match y {
+                let dequantized = dequantized_product(&[q], x, out).and_then(|y| match y {
                     Some(y) => Ok(y),
-                    None => Ok(w.forward_via_f16(x)?),
+                    None => Ok(w.forward_via_f16(&x.to_dtype(out)?)?),
                 });
                 match dequantized {
                     Ok(y) => y,
                     Err(e) => {
                         tracing::debug!(error = %e, dtype = ?q.dtype(), "dequantized prompt matmul failed; using MMQ");
-                        w.forward(x)?
+                        w.forward(&x.to_dtype(out)?)?
                     }
                 }
             }
-            Matrix::Candle(w) => w.forward(x)?,
+            Matrix::Packed(w) => x.to_dtype(out)?.contiguous()?.apply_op1_no_bwd(&QMatMulOp { weight: w.clone() })?,
+            Matrix::Candle(w) => w.forward(&x.to_dtype(out)?)?,
         };
         self.add_bias(y)
     }
@@ -208,7 +215,7 @@ impl Linear {
 
     fn add_bias(&self, y: Tensor) -> Result<Tensor> {
         Ok(match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
+            Some(b) => y.broadcast_add(&b.to_dtype(y.dtype())?)?,
             None => y,
         })
     }
@@ -217,23 +224,28 @@ impl Linear {
     /// and every matrix's rows run as one job; a prompt on a GPU multiplies its quantized matrices
     /// dequantized into one stack by one GEMM. Otherwise each layer runs alone.
     pub fn forward_group<const N: usize>(layers: [&Linear; N], x: &Tensor) -> Result<[Tensor; N]> {
-        let out: Vec<Tensor> = match Self::forward_stacked(layers, x)? {
-            Some(ys) => layers.iter().zip(ys).map(|(l, y)| l.add_bias(y)).collect::<Result<_>>()?,
-            None => layers.iter().map(|l| l.forward(x)).collect::<Result<_>>()?,
-        };
-        Ok(out.try_into().expect("N outputs"))
+        Self::forward_group_to(layers, x, x.dtype())
     }
 
-    /// `forward_group`'s products before their biases, where the layers share one kernel job or
-    /// one stacked GEMM; None where they do not.
-    fn forward_stacked<const N: usize>(layers: [&Linear; N], x: &Tensor) -> Result<Option<Vec<Tensor>>> {
+    /// `forward_group` with its outputs in `out` (as `forward_to`).
+    pub fn forward_group_to<const N: usize>(layers: [&Linear; N], x: &Tensor, out: DType) -> Result<[Tensor; N]> {
+        let ys: Vec<Tensor> = match Self::forward_stacked(layers, x, out)? {
+            Some(ys) => layers.iter().zip(ys).map(|(l, y)| l.add_bias(y)).collect::<Result<_>>()?,
+            None => layers.iter().map(|l| l.forward_to(x, out)).collect::<Result<_>>()?,
+        };
+        Ok(ys.try_into().expect("N outputs"))
+    }
+
+    /// `forward_group_to`'s products before their biases, where the layers share one kernel job
+    /// or one stacked GEMM; None where they do not.
+    fn forward_stacked<const N: usize>(layers: [&Linear; N], x: &Tensor, out: DType) -> Result<Option<Vec<Tensor>>> {
         let packed: Option<Vec<_>> = layers.iter().map(|l| if let Matrix::Packed(w) = &l.weight { Some(w) } else { None }).collect();
         if let Some(packed) = packed {
-            return Ok(Some(kernels::forward_many(&packed, x)?));
+            return Ok(Some(kernels::forward_many(&packed, &x.to_dtype(out)?)?));
         }
         let quantized: Option<Vec<_>> = layers.iter().map(|l| dequantizable(l, x)).collect();
         let Some(qs) = quantized.filter(|qs| qs.len() > 1) else { return Ok(None) };
-        match dequantized_product(&qs, x) {
+        match dequantized_product(&qs, x, out) {
             Ok(Some(y)) => Ok(Some(Linear::split(y, layers)?.to_vec())),
             Ok(None) => Ok(None),
             Err(e) => {
@@ -435,14 +447,16 @@ impl Attention {
             }
         };
         clock.mark(dev, "softmax");
-        let out = probs.matmul(&v_all)?.to_dtype(x.dtype())?; // (b, kv_heads, rep * t, head_dim)
+        // In the cache's dtype until o, which returns the hidden states' (a quantized model's
+        // f16 products on a GPU go into its dequantized o's GEMM as they are).
+        let out = probs.matmul(&v_all)?; // (b, kv_heads, rep * t, head_dim)
         clock.mark(dev, "pv");
         let out = out
             .reshape((b, self.num_heads, t, self.head_dim))?
             .transpose(1, 2)?
             .reshape((b, t, self.num_heads * self.head_dim))?;
         clock.mark(dev, "merge heads");
-        let y = self.o.forward(&out);
+        let y = self.o.forward_to(&out, x.dtype());
         clock.mark(dev, "o");
         y
     }
@@ -542,12 +556,25 @@ impl Mlp {
         self.gate.weight_bytes() + self.up.weight_bytes() + self.down.weight_bytes()
     }
 
+    /// Whether a prompt keeps this MLP's intermediate in f16 between its products: on a GPU,
+    /// where gate, up and down are all multiplied dequantized (Q4_K / Q6_K, no biases). The
+    /// values are those of the f32 route (cuBLAS's f16 products widened exactly, the gated product
+    /// rounded to f16 once before down either way), without two conversions and with half the
+    /// intermediate's traffic.
+    fn intermediate_in_half(&self, x: &Tensor) -> bool {
+        !candle_prompt_ops()
+            && [&self.gate, &self.up, &self.down].iter().all(|l| {
+                l.bias.is_none() && dequantizable(l, x).is_some_and(|q| matches!(q.dtype(), candle_core::quantized::GgmlDType::Q4K | candle_core::quantized::GgmlDType::Q6K))
+            })
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dev = x.device();
         let mut clock = super::op_timing::start(dev);
+        let inner = if self.intermediate_in_half(x) { DType::F16 } else { x.dtype() };
         let [gate, up] = match &self.gate_up {
             Some(fused) => Linear::split(fused.forward(x)?, [&self.gate, &self.up])?,
-            None => Linear::forward_group([&self.gate, &self.up], x)?,
+            None => Linear::forward_group_to([&self.gate, &self.up], x, inner)?,
         };
         clock.mark(dev, "gate/up");
         if let Some(h) = gated_on_pool(self.activation, &gate, &up)? {
@@ -568,7 +595,7 @@ impl Mlp {
             }
         };
         clock.mark(dev, "activation");
-        let y = self.down.forward(&h);
+        let y = self.down.forward_to(&h, x.dtype());
         clock.mark(dev, "down");
         y
     }
