@@ -505,6 +505,16 @@ pub fn release_dequant_scratch() {
     DEQUANT_SCRATCH.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
 }
 
+/// decode.cu's kernel that dequantizes `dtype` to f16 for `with_dequantized_f16`; None for formats
+/// it leaves to candle.
+pub fn dequant_kernel(dtype: GgmlDType) -> Option<&'static str> {
+    match dtype {
+        GgmlDType::Q4K => Some("dequant_q4_k_f16"),
+        GgmlDType::Q6K => Some("dequant_q6_k_f16"),
+        _ => None,
+    }
+}
+
 /// Runs `multiply` on Q4_K or Q6_K matrices on a GPU dequantized to f16 (`dequant_q4_k_f16` /
 /// `dequant_q6_k_f16` in decode.cu: the values candle's CPU dequantization gives, rounded to f16)
 /// and stacked by rows in the order given (matrices with one input, such as q/k/v or gate/up, then
@@ -526,11 +536,7 @@ pub fn with_dequantized_f16<R>(qs: &[&QTensor], multiply: impl FnOnce(&Tensor) -
     let Ok((_, cols)) = first.shape().dims2() else { return Ok(None) };
     let mut parts = Vec::with_capacity(qs.len());
     for q in qs {
-        let name = match q.dtype() {
-            GgmlDType::Q4K => "dequant_q4_k_f16",
-            GgmlDType::Q6K => "dequant_q6_k_f16",
-            _ => return Ok(None),
-        };
+        let Some(name) = dequant_kernel(q.dtype()) else { return Ok(None) };
         match (q.device(), q.shape().dims2()) {
             (Device::Cuda(c), Ok((rows, c_cols))) if c.id() == cuda.id() && c_cols == cols && (rows * cols) % 256 == 0 => parts.push((name, *q, rows * cols)),
             _ => return Ok(None),

@@ -557,15 +557,19 @@ impl Mlp {
     }
 
     /// Whether a prompt keeps this MLP's intermediate in f16 between its products: on a GPU,
-    /// where gate, up and down are all multiplied dequantized (Q4_K / Q6_K, no biases). The
-    /// values are those of the f32 route (cuBLAS's f16 products widened exactly, the gated product
-    /// rounded to f16 once before down either way), without two conversions and with half the
-    /// intermediate's traffic.
+    /// where gate, up and down are all multiplied dequantized by decode.cu's kernels
+    /// (`cuda_decode::dequant_kernel`: Q4_K / Q6_K) and have no biases. The values are those of
+    /// the f32 route (cuBLAS's f16 products widened exactly, the gated product rounded to f16 once
+    /// before down either way), without two conversions and with half the intermediate's traffic.
+    #[cfg_attr(not(feature = "cuda"), allow(unused_variables))]
     fn intermediate_in_half(&self, x: &Tensor) -> bool {
-        !candle_prompt_ops()
-            && [&self.gate, &self.up, &self.down].iter().all(|l| {
-                l.bias.is_none() && dequantizable(l, x).is_some_and(|q| matches!(q.dtype(), candle_core::quantized::GgmlDType::Q4K | candle_core::quantized::GgmlDType::Q6K))
-            })
+        #[cfg(feature = "cuda")]
+        return !candle_prompt_ops()
+            && [&self.gate, &self.up, &self.down]
+                .iter()
+                .all(|l| l.bias.is_none() && dequantizable(l, x).is_some_and(|q| super::cuda_decode::dequant_kernel(q.dtype()).is_some()));
+        #[cfg(not(feature = "cuda"))]
+        false
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
